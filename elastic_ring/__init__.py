@@ -1,0 +1,46 @@
+"""elastic_ring: re-formable collectives and a fused, overlapped DistributedOptimizer.
+
+This package knows nothing of Ray or of training state. It offers:
+
+* a ring per *round* (:class:`RingSpec`, :func:`init`), re-formed in the same
+  process when membership changes, over gloo (CPU) or NCCL via cupy (CUDA);
+* Horovod-style collectives over the current ring, each with a timeout and a
+  cross-rank check of what the ranks passed;
+* :func:`DistributedOptimizer`, :func:`broadcast_parameters` and
+  :func:`broadcast_optimizer_state`;
+* the two exceptions that drive elastic training: :class:`CommError` (roll
+  back) and :class:`MembershipChanged` (re-form without rolling back).
+"""
+
+from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
+from .collectives import (
+    allgather,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_broadcast_,
+)
+from .communicator import Communicator, Work
+from .compression import Compression, Compressor
+from .errors import CommError, ElasticRingError, MembershipChanged, NotInitializedError, TensorMismatchError
+from .nccl_communicator import nccl_available
+from .object_collectives import allgather_object, broadcast_object, broadcast_tree
+from .ops import Average, Max, Min, ReduceOp, Sum
+from .optimizer import DistributedOptimizer
+from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
+from .spec import RingSpec, StoreAddress
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Average", "CommError", "Communicator", "Compression", "Compressor", "DistributedOptimizer",
+    "ElasticRingError", "Max", "MembershipChanged", "Min", "NotInitializedError", "ReduceOp", "RingSpec",
+    "StoreAddress", "Sum", "TensorMismatchError", "Work", "allgather", "allgather_object", "allreduce",
+    "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",
+    "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "round_id", "shutdown", "size",
+]

@@ -1,0 +1,255 @@
+"""Tensor collectives over the current ring, Horovod-style.
+
+Every function here:
+
+1. checks with one tiny allreduce that all ranks passed tensors of the same
+   names, dtypes and shapes (:mod:`elastic_ring.signature`), raising
+   :class:`TensorMismatchError` on every rank otherwise;
+2. validates its arguments (the same on every rank, after the check, so that
+   a bad argument raises everywhere instead of leaving peers waiting);
+3. runs with a timeout (``timeout_s``, default: the ring's
+   ``collective_timeout_s``); a lost peer or a timeout raises
+   :class:`CommError` on every survivor.
+
+Grouped collectives fuse their tensors into buffers of at most
+``fusion_threshold_bytes`` (see :mod:`elastic_ring.fusion`), launch each
+buffer's collective as soon as it is packed, and unpack in order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import fusion, runtime
+from .communicator import Communicator
+from .compression import Compression, Compressor, check_compressor
+from .constants import FUSION_THRESHOLD_BYTES
+from .ops import Average, ReduceOp
+from .signature import describe, verify_same
+
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64)
+
+
+def _names(tensors: Sequence[torch.Tensor], name: str | Sequence[str] | None, kind: str) -> list[str]:
+    if isinstance(name, (list, tuple)):
+        if len(name) != len(tensors) or not all(isinstance(n, str) for n in name):
+            raise ValueError(f"{kind}: name must be a string or one string per tensor ({len(tensors)})")
+        return list(name)
+    base = name or kind
+    return [base] if len(tensors) == 1 else [f"{base}.{i}" for i in range(len(tensors))]
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor], kind: str) -> None:
+    if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"{kind} expects a list of torch.Tensor")
+
+
+def _check_reducible(tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp) -> None:
+    for t, n in zip(tensors, names):
+        if t.dtype not in _REDUCIBLE:
+            raise ValueError(f"cannot allreduce tensor {n!r} of dtype {t.dtype}; cast it to a float or int dtype")
+        if op is ReduceOp.AVERAGE and not t.is_floating_point():
+            raise ValueError(
+                f"op=Average needs floating-point tensors but {n!r} is {t.dtype}; use op=Sum and divide yourself"
+            )
+
+
+def _fused_allreduce(
+    comm: Communicator,
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp,
+    compressor: Compressor,
+    threshold_bytes: int,
+    timeout_s: float | None,
+    inplace: bool,
+) -> list[torch.Tensor]:
+    size = comm.size
+    base_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+    buckets = fusion.plan_buckets(fusion.metas_of(tensors), threshold_bytes, compressor)
+    in_flight = []
+    for bucket in buckets:
+        first = tensors[bucket.indices[0]]
+        direct = (
+            inplace and len(bucket.indices) == 1 and first.dtype == bucket.wire_dtype and first.is_contiguous()
+        )
+        buffer = first.view(-1) if direct else fusion.pack(bucket, tensors, fusion.allocate(bucket))
+        prescale = op is ReduceOp.AVERAGE and fusion.needs_prescale(bucket.wire_dtype)
+        if prescale:
+            buffer.mul_(1.0 / size)
+        work = comm.allreduce(buffer, base_op, timeout_s)
+        in_flight.append((bucket, buffer, work, direct, prescale))
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    for bucket, buffer, work, direct, prescale in in_flight:
+        work.wait()
+        if op is ReduceOp.AVERAGE and not prescale:
+            buffer.div_(size)
+        if direct:
+            results[bucket.indices[0]] = tensors[bucket.indices[0]]
+        elif inplace:
+            fusion.unpack_(bucket, buffer, tensors)
+            for i in bucket.indices:
+                results[i] = tensors[i]
+        else:
+            for i, view in zip(bucket.indices, fusion.unpack_views(bucket, buffer, tensors)):
+                results[i] = view
+    return results  # type: ignore[return-value]
+
+
+def _grouped_allreduce(tensors, op, name, compression, fusion_threshold_bytes, timeout_s, inplace, kind):
+    _check_tensors(tensors, kind)
+    op = ReduceOp.parse(op)
+    compressor = check_compressor(compression)
+    comm = runtime.current()
+    names = _names(tensors, name, kind)
+    verify_same(comm, f"{kind}(op={op.value}, compression={compressor.name})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
+    _check_reducible(tensors, names, op)
+    threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
+    if comm.size == 1:
+        if inplace:
+            return list(tensors)
+        return [t.clone() for t in tensors]
+    return _fused_allreduce(comm, tensors, op, compressor, threshold, timeout_s, inplace)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    fusion_threshold_bytes: int | None = None,
+    timeout_s: float | None = None,
+) -> list[torch.Tensor]:
+    """Reduce a list of tensors over all ranks with fusion; returns new tensors."""
+    return _grouped_allreduce(tensors, op, name, compression, fusion_threshold_bytes, timeout_s, False, "grouped_allreduce")
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str = Average,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    fusion_threshold_bytes: int | None = None,
+    timeout_s: float | None = None,
+) -> list[torch.Tensor]:
+    """In-place :func:`grouped_allreduce`; returns the same tensors."""
+    return _grouped_allreduce(tensors, op, name, compression, fusion_threshold_bytes, timeout_s, True, "grouped_allreduce_")
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (Sum, Average, Min or Max); returns a new tensor."""
+    return _grouped_allreduce([tensor], op, name, compression, None, timeout_s, False, "allreduce")[0]
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    op: ReduceOp | str = Average,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return _grouped_allreduce([tensor], op, name, compression, None, timeout_s, True, "allreduce_")[0]
+
+
+def _as_wire(t: torch.Tensor) -> torch.Tensor:
+    """A view gloo and NCCL can move: bools travel as bytes, complex as real pairs."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t
+
+
+def grouped_broadcast_(
+    tensors: Sequence[torch.Tensor],
+    root_rank: int = 0,
+    name: str | Sequence[str] | None = None,
+    fusion_threshold_bytes: int | None = None,
+    timeout_s: float | None = None,
+) -> list[torch.Tensor]:
+    """Overwrite ``tensors`` on every rank with root's, fused by dtype; returns them."""
+    _check_tensors(tensors, "grouped_broadcast_")
+    comm = runtime.current()
+    names = _names(tensors, name, "broadcast")
+    verify_same(comm, f"grouped_broadcast_(root={root_rank})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
+    if not isinstance(root_rank, int) or not 0 <= root_rank < comm.size:
+        raise ValueError(f"root_rank={root_rank!r} is not a rank of this ring (world size {comm.size})")
+    if comm.size == 1:
+        return list(tensors)
+    wires = [_as_wire(t) for t in tensors]
+    threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
+    buckets = fusion.plan_buckets(fusion.metas_of(wires), threshold, Compression.none)
+    in_flight = []
+    for bucket in buckets:
+        first = wires[bucket.indices[0]]
+        direct = len(bucket.indices) == 1 and first.is_contiguous()
+        buffer = first.view(-1) if direct else fusion.allocate(bucket)
+        if not direct and comm.rank == root_rank:
+            fusion.pack(bucket, wires, buffer)
+        in_flight.append((bucket, buffer, direct, comm.broadcast(buffer, root_rank, timeout_s)))
+    with torch.no_grad():
+        for bucket, buffer, direct, work in in_flight:
+            work.wait()
+            if not direct and comm.rank != root_rank:
+                fusion.unpack_(bucket, buffer, wires)
+    return list(tensors)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with root's; returns ``tensor``."""
+    return grouped_broadcast_([tensor], root_rank, name=name, timeout_s=timeout_s)[0]
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> torch.Tensor:
+    """Root's ``tensor`` on every rank, as a new tensor."""
+    return broadcast_(tensor.detach().clone(), root_rank, name=name, timeout_s=timeout_s)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, timeout_s: float | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0, in rank order.
+
+    The first dimension may differ per rank; the other dimensions and the
+    dtype must match.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allgather expects a torch.Tensor, got {type(tensor).__name__}")
+    comm = runtime.current()
+    label = name or "allgather"
+    verify_same(comm, "allgather", [(label, describe(tensor, ignore_first_dim=True))], timeout_s)
+    if tensor.dim() == 0:
+        raise ValueError(f"allgather of {label!r} needs a tensor with at least one dimension; use tensor.view(1)")
+    if comm.size == 1:
+        return tensor.detach().clone()
+    local = _as_wire(tensor.detach()).contiguous().to(comm.device)
+    counts = torch.empty((comm.size, 1), dtype=torch.int64, device=comm.device)
+    comm.allgather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm.device), timeout_s).wait()
+    sizes = [int(c) for c in counts.view(-1).tolist()]
+    longest = max(sizes)
+    if local.shape[0] < longest:
+        padded = local.new_zeros((longest, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        local = padded
+    gathered = local.new_empty((comm.size, longest, *local.shape[1:]))
+    comm.allgather(gathered, local, timeout_s).wait()
+    out = torch.cat([gathered[r, : sizes[r]] for r in range(comm.size)]) if longest else gathered.view(0, *local.shape[1:])
+    if tensor.dtype == torch.bool:
+        out = out.view(torch.bool)
+    elif tensor.is_complex():
+        out = torch.view_as_complex(out)
+    return out.to(tensor.device)
+
+
+def barrier(timeout_s: float | None = None) -> None:
+    """Return once every rank has entered the barrier."""
+    comm = runtime.current()
+    verify_same(comm, "barrier", [], timeout_s)
+
+    # The signature check is an allreduce that needs every rank: it is the barrier.

@@ -1,0 +1,177 @@
+"""The communicator contract that every backend implements.
+
+A communicator serves exactly one round of the ring (one :class:`RingSpec`).
+Its life is: *configure* (the constructor forms the group on the round's
+prefixed store keys, or raises :class:`CommError`), *use* (asynchronous
+collectives that return a :class:`Work`), then either *close* (the round ended
+normally) or *abort* (it failed or was abandoned; never blocks on a dead peer).
+
+Any failure of a collective marks the communicator ``errored``, aborts it so
+that peers blocked on it fail fast instead of waiting for their timeout, and
+raises :class:`CommError`. Every later call on an errored communicator raises
+:class:`CommError` at once: the only way forward is a new round.
+
+Backends only move bytes: SUM/MIN/MAX allreduce, broadcast, same-size allgather
+and barrier on contiguous tensors. Averaging, fusion, compression and
+cross-rank checks live in :mod:`elastic_ring.collectives`.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+
+import torch
+
+from .errors import CommError
+from .ops import ReduceOp
+from .spec import RingSpec
+
+
+#: What a backend raises when a collective fails: torch/gloo raise RuntimeError
+#: (or DistStoreError, a RuntimeError), sockets OSError, our watchdogs CommError.
+_BACKEND_FAILURES = (RuntimeError, OSError, CommError)
+
+
+class Work(abc.ABC):
+    """A collective in flight."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the collective is done; raise :class:`CommError` if it failed."""
+
+
+class Communicator(abc.ABC):
+    """One round's communicator. Subclasses implement the ``_``-prefixed methods."""
+
+    def __init__(self, spec: RingSpec) -> None:
+        self.spec = spec
+        self._error: BaseException | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ properties
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Device of the tensors this communicator moves."""
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def size(self) -> int:
+        return self.spec.world_size
+
+    # ------------------------------------------------------------ collectives
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, timeout_s: float | None = None) -> Work:
+        """In-place SUM, MIN or MAX of a contiguous tensor over all ranks."""
+        if op is ReduceOp.AVERAGE:
+            raise ValueError("backends reduce with SUM, MIN or MAX; averaging is done by elastic_ring.collectives")
+        return self._guarded(self._allreduce, tensor, op, self._timeout(timeout_s))
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float | None = None) -> Work:
+        """In-place broadcast of a contiguous tensor from ``root``."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"root_rank={root} is not a rank of this ring (world size {self.size})")
+        return self._guarded(self._broadcast, tensor, root, self._timeout(timeout_s))
+
+    def allgather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float | None = None) -> Work:
+        """Gather equal-sized ``tensor`` of every rank into ``output`` of shape ``(size, *tensor.shape)``."""
+        return self._guarded(self._allgather, output, tensor, self._timeout(timeout_s))
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        self._guarded(self._barrier, self._timeout(timeout_s)).wait()
+
+    # ------------------------------------------------------------ lifecycle
+    def abort(self) -> None:
+        """Tear down without waiting for peers; safe to call more than once."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._abort()
+
+    def close(self) -> None:
+        """End a healthy round. Backends whose teardown can block abort instead."""
+        self.abort()
+
+    def fail(self, cause: BaseException) -> CommError:
+        """Record ``cause``, abort, and return the CommError to raise."""
+        if self._error is None:
+            self._error = cause
+        self.abort()
+        if isinstance(cause, CommError):
+            return cause
+        return CommError(f"[{self.spec.identity}] collective failed: {_first_line(cause)}")
+
+    def check_usable(self) -> None:
+        if self._error is not None:
+            raise CommError(
+                f"[{self.spec.identity}] the communicator failed earlier ({_first_line(self._error)}); "
+                "form a new round with elastic_ring.init(spec)"
+            )
+        if self._closed:
+            raise CommError(f"[{self.spec.identity}] the communicator was closed; form a new round first")
+
+    # ------------------------------------------------------------ internals
+    def _timeout(self, timeout_s: float | None) -> float:
+        if timeout_s is None:
+            return float(self.spec.collective_timeout_s)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
+        return float(timeout_s)
+
+    def _guarded(self, fn, *args) -> Work:
+        self.check_usable()
+        try:
+            work = fn(*args)
+        except _BACKEND_FAILURES as exc:
+            raise self.fail(exc) from exc
+        return _GuardedWork(self, work)
+
+    @abc.abstractmethod
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, timeout_s: float) -> Work: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> Work: ...
+
+    @abc.abstractmethod
+    def _allgather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float) -> Work: ...
+
+    @abc.abstractmethod
+    def _barrier(self, timeout_s: float) -> Work: ...
+
+    @abc.abstractmethod
+    def _abort(self) -> None: ...
+
+
+class _GuardedWork(Work):
+    """Turns a backend failure during ``wait`` into CommError and an abort."""
+
+    __slots__ = ("_comm", "_work")
+
+    def __init__(self, comm: Communicator, work: Work) -> None:
+        self._comm = comm
+        self._work = work
+
+    def wait(self) -> None:
+        self._comm.check_usable()
+        try:
+            self._work.wait()
+        except _BACKEND_FAILURES as exc:
+            raise self._comm.fail(exc) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,130 @@
+"""DistributedOptimizer: wrap any torch optimizer so that step() uses averaged gradients.
+
+``DistributedOptimizer(opt, model.named_parameters())`` returns an optimizer of
+a subclass of ``type(opt)`` that shares ``opt``'s parameter groups and state
+(so ``isinstance`` checks and LR schedulers keep working). Gradient hooks
+reduce buckets while backward runs (see :mod:`elastic_ring.grad_reducer`);
+``step()`` waits for them, then runs the wrapped optimizer's own step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+
+from .compression import Compression, Compressor, check_compressor
+from .constants import FUSION_THRESHOLD_BYTES
+from .grad_reducer import GradReducer
+from .ops import Average, ReduceOp
+
+
+class _DistributedMixin:
+    """Methods added to the wrapped optimizer's class."""
+
+    _er_reducer: GradReducer
+    _er_synchronize_in_step: bool
+
+    def synchronize(self) -> None:
+        """Reduce gradients now (e.g. to clip them before ``step()``; then use ``skip_synchronize``)."""
+        self._er_reducer.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not reduce again (after an explicit ``synchronize()``)."""
+        self._er_synchronize_in_step = False
+        try:
+            yield
+        finally:
+            self._er_synchronize_in_step = True
+
+    def step(self, closure=None):  # noqa: D401 - torch's signature
+        if self._er_synchronize_in_step:
+            self._er_reducer.synchronize()
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._er_reducer.pending:
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); with backward_passes_per_step > 1, call zero_grad() only after step()"
+            )
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    @property
+    def fusion_buckets(self):
+        """The gradient buckets, in launch order (for inspection and tests)."""
+        return self._er_reducer.buckets
+
+
+def _named_parameters(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> list[tuple[str, torch.nn.Parameter]]:
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"param_group.{g}.{i}", p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+    else:
+        named = list(named_parameters)
+        if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in named):
+            raise ValueError("named_parameters must be an iterable of (name, parameter) pairs, e.g. model.named_parameters()")
+        names = [n for n, _ in named]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"named_parameters has duplicate names {duplicates}; every parameter needs a unique name")
+        known = {id(p) for _, p in named}
+        missing = [p for p in in_optimizer if id(p) not in known]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} parameter(s) of the optimizer are not in named_parameters "
+                f"(first one has shape {tuple(missing[0].shape)}); pass model.named_parameters() of the model "
+                "whose parameters the optimizer updates"
+            )
+        wanted = {id(p) for p in in_optimizer}
+        named = [(n, p) for n, p in named if id(p) in wanted]
+    seen: set[int] = set()
+    unique = []
+    for name, p in named:
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            unique.append((name, p))
+    return unique
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp | str = Average,
+    fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over the ring.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; the result shares its state.
+        named_parameters: ``model.named_parameters()``; names appear in errors.
+        compression: ``Compression.none`` or ``Compression.fp16`` (halves the bytes sent).
+        backward_passes_per_step: backward passes accumulated locally (summed)
+            before one reduction; call ``step()`` after that many passes.
+        op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
+        fusion_threshold_bytes: largest gradient bucket.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
+    if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
+        raise ValueError(f"fusion_threshold_bytes={fusion_threshold_bytes!r} must be an int >= 1")
+    op = ReduceOp.parse(op)
+    compressor = check_compressor(compression)
+    named = _named_parameters(optimizer, named_parameters)
+
+    cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedMixin, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks with `optimizer`
+    wrapped._er_reducer = GradReducer(named, op, compressor, fusion_threshold_bytes, backward_passes_per_step)
+    wrapped._er_synchronize_in_step = True
+    return wrapped

@@ -1,0 +1,157 @@
+"""A pool of long-lived worker processes that run test functions as ranks of a ring.
+
+This is the tests' stand-in for the Ray driver: it hosts the rendezvous TCP
+store, hands each task a fresh round (a new ``RingSpec`` with a larger round
+id), and collects results. Processes persist across tests, so every test also
+exercises re-forming a ring in the same processes; a killed process is
+replaced before the next task.
+
+Test functions must be module-level (they are pickled by reference).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+import elastic_ring as er
+
+
+@dataclass
+class RankFailure:
+    """What a rank raised, as the harness received it."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+class RingTaskError(AssertionError):
+    def __init__(self, failures: list[RankFailure]) -> None:
+        self.failures = failures
+        super().__init__("\n".join(f"rank {f.rank} raised {f.type_name}: {f.message}\n{f.traceback}" for f in failures))
+
+
+def _worker_main(conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            er.shutdown()
+            return
+        fn, args, spec = message
+        try:
+            if spec is not None:
+                er.init(spec)
+            conn.send(("ok", fn(*args)))
+        except BaseException as exc:  # reported to the test, which decides
+            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+class Pending:
+    """A task running on some ranks."""
+
+    def __init__(self, ring: "ProcessRing", slots: list[int]) -> None:
+        self._ring = ring
+        self.slots = slots
+
+    @property
+    def pids(self) -> list[int]:
+        return [self._ring._procs[s].pid for s in self.slots]
+
+    def results(self, timeout_s: float = 60.0, raise_errors: bool = True) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        out: list[Any] = []
+        failures = []
+        for rank, slot in enumerate(self.slots):
+            conn, proc = self._ring._conns[slot], self._ring._procs[slot]
+            while not conn.poll(0.05):
+                if not proc.is_alive():
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank} (pid {proc.pid}) gave no result within {timeout_s} s")
+            if not conn.poll(0):
+                out.append(RankFailure(rank, "ProcessDied", f"exit code {proc.exitcode}", ""))
+                continue
+            reply = conn.recv()
+            if reply[0] == "ok":
+                out.append(reply[1])
+            else:
+                failure = RankFailure(rank, *reply[1:])
+                failures.append(failure)
+                out.append(failure)
+        if failures and raise_errors:
+            raise RingTaskError(failures)
+        return out
+
+
+class ProcessRing:
+    def __init__(self, num_procs: int) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["torch", "elastic_ring"])
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.address = er.StoreAddress("127.0.0.1", self.store.port)
+        self._round = 0
+        self._procs: list[Any] = [None] * num_procs
+        self._conns: list[Any] = [None] * num_procs
+        for slot in range(num_procs):
+            self._spawn(slot)
+
+    def _spawn(self, slot: int) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        proc.start()
+        child.close()
+        self._procs[slot], self._conns[slot] = proc, parent
+
+    def next_round(self) -> int:
+        self._round += 1
+        return self._round
+
+    def spec(self, rank: int, world_size: int, round_id: int, **overrides) -> er.RingSpec:
+        node_ids = overrides.pop("node_ids", tuple(f"node{r // 2}" for r in range(world_size)))
+        return er.RingSpec(round_id=round_id, rank=rank, world_size=world_size, node_ids=node_ids,
+                           store=self.address, **overrides)
+
+    def start(self, fn: Callable, *args, world_size: int | None = None, form_ring: bool = True, **spec_overrides) -> Pending:
+        world = world_size or len(self._procs)
+        slots = list(range(world))
+        for slot in slots:
+            if not self._procs[slot].is_alive():
+                self._spawn(slot)
+        round_id = self.next_round()
+        for rank, slot in enumerate(slots):
+            spec = self.spec(rank, world, round_id, **dict(spec_overrides)) if form_ring else None
+            self._conns[slot].send((fn, args, spec))
+        return Pending(self, slots)
+
+    def run(self, fn: Callable, *args, world_size: int | None = None, timeout_s: float = 60.0, **spec_overrides) -> list[Any]:
+        return self.start(fn, *args, world_size=world_size, **spec_overrides).results(timeout_s)
+
+    def kill(self, slot: int) -> float:
+        """SIGKILL the process in ``slot``; returns the wall-clock time of the kill."""
+        t = time.time()
+        os.kill(self._procs[slot].pid, signal.SIGKILL)
+        return t
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
