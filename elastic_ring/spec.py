@@ -71,8 +71,8 @@ class RingSpec:
             raise ValueError(f"RingSpec.rank={self.rank!r} must be an int in 0..world_size-1 ({self.world_size - 1})")
         if not isinstance(self.node_ids, tuple) or len(self.node_ids) != self.world_size:
             raise ValueError(
-                f"RingSpec.node_ids must be a tuple with one node id per rank "
-                f"(world_size={self.world_size}); got {self.node_ids!r}"
+                f"RingSpec.node_ids={self.node_ids!r} must be a tuple with one node id per rank "
+                f"(world_size={self.world_size})"
             )
         if not isinstance(self.store, StoreAddress):
             raise ValueError(f"RingSpec.store={self.store!r} must be a StoreAddress(host, port)")

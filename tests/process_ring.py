@@ -75,17 +75,12 @@ class Pending:
         out: list[Any] = []
         failures = []
         for rank, slot in enumerate(self.slots):
-            conn, proc = self._ring._conns[slot], self._ring._procs[slot]
-            while not conn.poll(0.05):
-                if not proc.is_alive():
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {rank} (pid {proc.pid}) gave no result within {timeout_s} s")
-            if not conn.poll(0):
+            reply = self._receive(rank, slot, deadline, timeout_s)
+            if reply is None:
+                proc = self._ring._procs[slot]
+                proc.join(1)
                 out.append(RankFailure(rank, "ProcessDied", f"exit code {proc.exitcode}", ""))
-                continue
-            reply = conn.recv()
-            if reply[0] == "ok":
+            elif reply[0] == "ok":
                 out.append(reply[1])
             else:
                 failure = RankFailure(rank, *reply[1:])
@@ -94,6 +89,21 @@ class Pending:
         if failures and raise_errors:
             raise RingTaskError(failures)
         return out
+
+
+    def _receive(self, rank: int, slot: int, deadline: float, timeout_s: float):
+        """The rank's reply, or None if its process died first."""
+        conn, proc = self._ring._conns[slot], self._ring._procs[slot]
+        while True:
+            if conn.poll(0.05):
+                try:
+                    return conn.recv()
+                except EOFError:
+                    return None
+            if not proc.is_alive() and not conn.poll(0):
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} (pid {proc.pid}) gave no result within {timeout_s} s")
 
 
 class ProcessRing:
