@@ -29,6 +29,9 @@ from .constants import FUSION_THRESHOLD_BYTES
 from .ops import Average, ReduceOp
 from .signature import describe, verify_same
 
+#: Fusion buffers of the in-place collectives, reused across calls.
+_POOL = fusion.BufferPool()
+
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64)
 
 
@@ -69,12 +72,15 @@ def _fused_allreduce(
     base_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
     buckets = fusion.plan_buckets(fusion.metas_of(tensors), threshold_bytes, compressor)
     in_flight = []
-    for bucket in buckets:
+    for slot, bucket in enumerate(buckets):
         first = tensors[bucket.indices[0]]
         direct = (
             inplace and len(bucket.indices) == 1 and first.dtype == bucket.wire_dtype and first.is_contiguous()
         )
-        buffer = first.view(-1) if direct else fusion.pack(bucket, tensors, fusion.allocate(bucket))
+        # In place, results are copied out, so pooled buffers can be reused;
+        # otherwise the results are views of the buffer and it must be new.
+        target = _POOL.acquire(bucket, slot) if inplace else fusion.allocate(bucket)
+        buffer = first.view(-1) if direct else fusion.pack(bucket, tensors, target)
         prescale = op is ReduceOp.AVERAGE and fusion.needs_prescale(bucket.wire_dtype)
         if prescale:
             buffer.mul_(1.0 / size)
@@ -188,10 +194,10 @@ def grouped_broadcast_(
     threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
     buckets = fusion.plan_buckets(fusion.metas_of(wires), threshold, Compression.none)
     in_flight = []
-    for bucket in buckets:
+    for slot, bucket in enumerate(buckets):
         first = wires[bucket.indices[0]]
         direct = len(bucket.indices) == 1 and first.is_contiguous()
-        buffer = first.view(-1) if direct else fusion.allocate(bucket)
+        buffer = first.view(-1) if direct else _POOL.acquire(bucket, slot)
         if not direct and comm.rank == root_rank:
             fusion.pack(bucket, wires, buffer)
         in_flight.append((bucket, buffer, direct, comm.broadcast(buffer, root_rank, timeout_s)))

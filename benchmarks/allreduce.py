@@ -1,0 +1,86 @@
+"""Fused allreduce of a ResNet-50-shaped gradient list vs one flat buffer vs one allreduce per tensor.
+
+Prints, for 2 and 3 processes on gloo, the median time of:
+  flat       one allreduce of a single buffer holding all the bytes (the floor)
+  fused      elastic_ring.grouped_allreduce_ of the 161 tensors (fusion, pack/unpack, cross-rank check)
+  per-tensor one allreduce per tensor, all launched asynchronously, then waited
+and the ratios fused/flat (target <= 1.10) and per-tensor/fused (target >= 3).
+Methods are interleaved repetition by repetition so machine noise hits all alike.
+
+    python -m benchmarks.allreduce [--reps 15] [--worlds 2 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+import elastic_ring as er
+from benchmarks._launch import median_ms, run_ranks
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """Parameter shapes of torchvision's ResNet-50 (161 tensors, 25.6 M parameters)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,), (planes, planes, 3, 3), (planes,), (planes,),
+                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if b == 0:
+                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
+            inplanes = planes * 4
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def _bench(reps: int, threshold_bytes: int) -> dict[str, list[float]]:
+    comm = er.runtime.current()
+    tensors = [torch.randn(s) for s in resnet50_shapes()]
+    flat = torch.randn(sum(t.numel() for t in tensors))
+
+    def run_flat():
+        comm.allreduce(flat, er.Sum).wait()
+
+    def run_fused():
+        er.grouped_allreduce_(tensors, op=er.Sum, fusion_threshold_bytes=threshold_bytes)
+
+    def run_per_tensor():
+        for w in [comm.allreduce(t, er.Sum) for t in tensors]:
+            w.wait()
+
+    methods = {"flat": run_flat, "fused": run_fused, "per-tensor": run_per_tensor}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for fn in methods.values():  # warm-up
+        fn()
+    for _ in range(reps):
+        for name, fn in methods.items():
+            er.barrier()
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--threshold-mib", type=int, default=64, help="fusion_threshold_bytes in MiB (default 64)")
+    args = parser.parse_args()
+    shapes = resnet50_shapes()
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    print(f"ResNet-50 gradients: {len(shapes)} tensors, {numel / 1e6:.1f} M float32 ({numel * 4 / 2**20:.0f} MiB); "
+          f"gloo on {platform.node()} ({torch.get_num_threads()} threads available), {args.reps} interleaved reps, "
+          f"fusion threshold {args.threshold_mib} MiB")
+    print(f"{'world':>5} {'flat ms':>9} {'fused ms':>9} {'per-tensor ms':>14} {'fused/flat':>11} {'per-tensor/fused':>17}")
+    for world in args.worlds:
+        times = run_ranks(_bench, world, args.reps, args.threshold_mib << 20)[0]
+        flat, fused, per = (median_ms(times[k]) for k in ("flat", "fused", "per-tensor"))
+        print(f"{world:>5} {flat:9.1f} {fused:9.1f} {per:14.1f} {fused / flat:11.3f} {per / fused:17.2f}")
+
+
+if __name__ == "__main__":
+    main()
