@@ -14,9 +14,13 @@ contract:
 * :meth:`synchronize` launches what is left (a parameter without a gradient
   contributes zeros), waits for every bucket, unpacks the averaged gradients
   into ``.grad`` and resets for the next step.
-* The first launch on a new communicator checks once that all ranks hold the
-  same parameters (names, dtypes, shapes); different models fail on every rank
-  at the first step with :class:`TensorMismatchError`.
+* At the first gradient of every step, one 16-byte allreduce is started that
+  checks that all ranks are at the same point and hold the same parameters
+  (names, dtypes, shapes); it is waited for just before the first bucket is
+  launched, so backward keeps running meanwhile. Different models, or a collective that only some ranks call between
+  steps, then fail on every rank with :class:`TensorMismatchError` instead of
+  pairing a 16-byte message with a gradient bucket, which makes gloo abort the
+  process ("Received data size doesn't match expected size").
 * A :class:`CommError` anywhere drops everything in flight, so the step can be
   retried on the next round after a rollback. At world size 1 the hooks return
   at once and nothing is copied.
@@ -34,7 +38,7 @@ from .communicator import Communicator, Work
 from .compression import Compressor
 from .errors import CommError
 from .ops import ReduceOp
-from .signature import describe, verify_same
+from .signature import PendingCheck, describe, start_check
 
 
 class GradReducer:
@@ -63,11 +67,16 @@ class GradReducer:
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._lock = threading.RLock()
         self._comm: Communicator | None = None
+        self._kind = (f"DistributedOptimizer step (op={op.value}, compression={compressor.name}, "
+                      f"backward_passes_per_step={backward_passes_per_step})")
+        self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
 
     # ------------------------------------------------------------ state
     def _reset(self) -> None:
+        self._check: PendingCheck | None = None
+        self._verified = False
         self._remaining = [self._passes] * len(self._params)
         self._ready = [0] * len(self.buckets)
         self._next = 0
@@ -90,6 +99,7 @@ class GradReducer:
             return
         with self._lock:
             self._bind(comm)
+            self._start_check(comm)
             i = self._position[id(param)]
             self._remaining[i] -= 1
             if self._remaining[i] < 0:
@@ -103,15 +113,31 @@ class GradReducer:
                 self._launch_ready(comm)
 
     def _bind(self, comm: Communicator) -> None:
-        """Start using ``comm``: drop anything of an older round and check the model once."""
-        if comm is self._comm:
+        """Start using ``comm``: drop anything in flight on an older round."""
+        if comm is not self._comm:
+            self._reset()
+            self._comm = comm
+
+    def _start_check(self, comm: Communicator) -> None:
+        """Once per step, at its first gradient: ask whether all ranks are here with the same model."""
+        if self._check is None and not self._verified:
+            try:
+                self._check = start_check(comm, self._kind, self._entries, None)
+            except CommError:
+                self._reset()
+                raise
+
+    def _finish_check(self) -> None:
+        """Before the step's first launch: the answer must be yes."""
+        if self._verified:
             return
-        self._reset()
-        self._comm = None
-        entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
-        verify_same(comm, f"DistributedOptimizer(op={self._op.value}, compression={self._compressor.name}, "
-                    f"backward_passes_per_step={self._passes})", entries, None)
-        self._comm = comm
+        check, self._check = self._check, None
+        try:
+            check.finish()  # type: ignore[union-attr]
+        except Exception:
+            self._reset()
+            raise
+        self._verified = True
 
     def _launch_ready(self, comm: Communicator) -> None:
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].indices):
@@ -119,6 +145,7 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, comm: Communicator, b: int) -> None:
+        self._finish_check()
         bucket = self.buckets[b]
         buffer = self._buffers[b]
         if buffer is None:
@@ -149,7 +176,8 @@ class GradReducer:
             return
         with self._lock:
             self._bind(comm)
-            for i, p in enumerate(self._params):
+            self._start_check(comm)
+            for p in self._params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             while self._next < len(self.buckets):

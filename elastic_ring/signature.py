@@ -36,21 +36,39 @@ def _hash(text: str) -> int:
     return int.from_bytes(digest, "little", signed=False) >> 2  # fits int64 with room for negation
 
 
+class PendingCheck:
+    """A signature check in flight; :meth:`finish` waits and raises on disagreement."""
+
+    def __init__(self, comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> None:
+        self._comm, self._kind, self._entries, self._timeout_s = comm, kind, list(entries), timeout_s
+        text = kind + "\n" + "\n".join(f"{n}\t{d}" for n, d in self._entries)
+        self._hash = _hash(text)
+        self._probe = torch.tensor([self._hash, -self._hash], dtype=torch.int64, device=comm.device)
+        self._work = comm.allreduce(self._probe, ReduceOp.MAX, timeout_s) if comm.size > 1 else None
+
+    def finish(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None
+        hi, neg_lo = self._probe.tolist()
+        if hi == self._hash and -neg_lo == self._hash:
+            return
+        from .object_collectives import allgather_bytes  # late: it imports this module
+
+        payload = pickle.dumps((self._kind, self._entries))
+        views = [pickle.loads(b) for b in allgather_bytes(self._comm, payload, self._timeout_s)]
+        raise TensorMismatchError(_mismatch_message(views))
+
+
+def start_check(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> PendingCheck:
+    """Launch the check without waiting; call ``finish()`` before moving any data that depends on it."""
+    return PendingCheck(comm, kind, entries, timeout_s)
+
+
 def verify_same(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> None:
     """Raise :class:`TensorMismatchError` on every rank unless all ranks passed the same ``(name, description)`` list."""
-    if comm.size == 1:
-        return
-    text = kind + "\n" + "\n".join(f"{n}\t{d}" for n, d in entries)
-    h = _hash(text)
-    probe = torch.tensor([h, -h], dtype=torch.int64, device=comm.device)
-    comm.allreduce(probe, ReduceOp.MAX, timeout_s).wait()
-    hi, neg_lo = probe.tolist()
-    if hi == h and -neg_lo == h:
-        return
-    from .object_collectives import allgather_bytes  # late: it imports this module
-
-    views = [pickle.loads(b) for b in allgather_bytes(comm, pickle.dumps((kind, list(entries))), timeout_s)]
-    raise TensorMismatchError(_mismatch_message(views))
+    start_check(comm, kind, entries, timeout_s).finish()
 
 
 def _mismatch_message(views: list[tuple[str, list[tuple[str, str]]]]) -> str:

@@ -107,6 +107,28 @@ def test_different_models_fail_at_the_first_step_on_every_rank(ring):
     assert "different numbers of tensors" in messages[0] or "disagree on tensor" in messages[0]
 
 
+def _collective_on_one_rank_only():
+    model = make_model()
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(4, IN)).sum()
+            loss.backward()
+            opt.step()
+            if er.rank() == 0:  # the classic bug: logging through a collective on rank 0 only
+                er.allreduce(loss.detach())
+    except er.TensorMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def test_collective_called_by_one_rank_only_is_a_clear_error_not_a_crash(ring):
+    messages = ring.run(_collective_on_one_rank_only, world_size=2, timeout_s=60)
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "different collectives" in messages[0] and "DistributedOptimizer step" in messages[0]
+
+
 def _broadcast_state():
     r = er.rank()
     model = make_model(seed=10 + r)
