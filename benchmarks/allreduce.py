@@ -2,9 +2,12 @@
 
 Prints, for 2 and 3 processes on gloo, the median time of:
   flat       one allreduce of a single buffer holding all the bytes (the floor)
+  copy+flat  by hand: pack the tensors into one buffer, allreduce it, unpack; what fusing
+             independent tensors must cost at least, with no fusion logic at all
   fused      elastic_ring.grouped_allreduce_ of the 161 tensors (fusion, pack/unpack, cross-rank check)
   per-tensor one allreduce per tensor, all launched asynchronously, then waited
-and the ratios fused/flat (target <= 1.10) and per-tensor/fused (target >= 3).
+and the ratios fused/flat (target <= 1.10), fused/copy+flat (our own overhead)
+and per-tensor/fused (target >= 3).
 Methods are interleaved repetition by repetition so machine noise hits all alike.
 
     python -m benchmarks.allreduce [--reps 15] [--worlds 2 3]
@@ -40,9 +43,16 @@ def _bench(reps: int, threshold_bytes: int) -> dict[str, list[float]]:
     comm = er.runtime.current()
     tensors = [torch.randn(s) for s in resnet50_shapes()]
     flat = torch.randn(sum(t.numel() for t in tensors))
+    packed = torch.empty_like(flat)
+    views = [chunk.view(t.shape) for chunk, t in zip(packed.split([t.numel() for t in tensors]), tensors)]
 
     def run_flat():
         comm.allreduce(flat, er.Sum).wait()
+
+    def run_copy_flat():
+        torch.cat([t.view(-1) for t in tensors], out=packed)
+        comm.allreduce(packed, er.Sum).wait()
+        torch._foreach_copy_(tensors, views)
 
     def run_fused():
         er.grouped_allreduce_(tensors, op=er.Sum, fusion_threshold_bytes=threshold_bytes)
@@ -51,7 +61,7 @@ def _bench(reps: int, threshold_bytes: int) -> dict[str, list[float]]:
         for w in [comm.allreduce(t, er.Sum) for t in tensors]:
             w.wait()
 
-    methods = {"flat": run_flat, "fused": run_fused, "per-tensor": run_per_tensor}
+    methods = {"flat": run_flat, "copy+flat": run_copy_flat, "fused": run_fused, "per-tensor": run_per_tensor}
     times: dict[str, list[float]] = {name: [] for name in methods}
     for fn in methods.values():  # warm-up
         fn()
@@ -75,11 +85,13 @@ def main() -> None:
     print(f"ResNet-50 gradients: {len(shapes)} tensors, {numel / 1e6:.1f} M float32 ({numel * 4 / 2**20:.0f} MiB); "
           f"gloo on {platform.node()} ({torch.get_num_threads()} threads available), {args.reps} interleaved reps, "
           f"fusion threshold {args.threshold_mib} MiB")
-    print(f"{'world':>5} {'flat ms':>9} {'fused ms':>9} {'per-tensor ms':>14} {'fused/flat':>11} {'per-tensor/fused':>17}")
+    print(f"{'world':>5} {'flat ms':>8} {'copy+flat ms':>13} {'fused ms':>9} {'per-tensor ms':>14} "
+          f"{'fused/flat':>11} {'fused/copy+flat':>16} {'per-tensor/fused':>17}")
     for world in args.worlds:
         times = run_ranks(_bench, world, args.reps, args.threshold_mib << 20)[0]
-        flat, fused, per = (median_ms(times[k]) for k in ("flat", "fused", "per-tensor"))
-        print(f"{world:>5} {flat:9.1f} {fused:9.1f} {per:14.1f} {fused / flat:11.3f} {per / fused:17.2f}")
+        flat, copy, fused, per = (median_ms(times[k]) for k in ("flat", "copy+flat", "fused", "per-tensor"))
+        print(f"{world:>5} {flat:8.1f} {copy:13.1f} {fused:9.1f} {per:14.1f} "
+              f"{fused / flat:11.3f} {fused / copy:16.3f} {per / fused:17.2f}")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ FUSION_THRESHOLD_BYTES: int = _env_int("ELASTIC_RING_FUSION_THRESHOLD_BYTES", 64
 
 #: Default bucket size of DistributedOptimizer's gradient buckets. Smaller than
 #: the fusion threshold so that the first buckets are reduced while backward is
-#: still running: on a 50 MiB MLP, benchmarks/step.py measured 0.91x DDP's
-#: throughput with 64 MiB buckets (no overlap) and 1.10x with 16 MiB.
+#: still running: on a 50 MiB MLP, benchmarks/step.py measured 0.91-0.99x DDP's
+#: throughput with 64 MiB buckets (no overlap) and 1.05-1.10x with 16 MiB.
 OPTIMIZER_BUCKET_BYTES: int = _env_int("ELASTIC_RING_OPTIMIZER_BUCKET_BYTES", 16 * MIB)
 
 #: How long any collective may take before the survivors raise CommError.

@@ -110,8 +110,8 @@ def DistributedOptimizer(
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
         fusion_threshold_bytes: largest gradient bucket (default 16 MiB: small
             enough that early buckets are reduced while backward still runs;
-            benchmarks/step.py measured 0.91x DDP's throughput with 64 MiB
-            buckets and 1.10x with 16 MiB on a 50 MiB model).
+            benchmarks/step.py measured 0.91-0.99x DDP's throughput with
+            64 MiB buckets and 1.05-1.10x with 16 MiB on a 50 MiB model).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
