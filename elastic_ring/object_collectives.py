@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,12 @@ import torch
 from . import runtime
 from .communicator import Communicator
 from .signature import verify_same
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor, without numpy (torch does not depend on it)."""
+    t = t.detach().cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
 def _to_bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
@@ -38,7 +45,7 @@ def allgather_bytes(comm: Communicator, data: bytes, timeout_s: float | None) ->
     gathered = torch.empty((comm.size, longest), dtype=torch.uint8, device=comm.device)
     comm.allgather(gathered, padded, timeout_s).wait()
     rows = gathered.cpu()
-    return [rows[r, : sizes[r]].numpy().tobytes() for r in range(comm.size)]
+    return [_tensor_bytes(rows[r, : sizes[r]]) for r in range(comm.size)]
 
 
 def broadcast_bytes(comm: Communicator, data: bytes | None, root_rank: int, timeout_s: float | None) -> bytes:
@@ -50,7 +57,7 @@ def broadcast_bytes(comm: Communicator, data: bytes | None, root_rank: int, time
     payload = _to_bytes_tensor(data, comm.device) if is_root else torch.empty(n, dtype=torch.uint8, device=comm.device)
     if n:
         comm.broadcast(payload, root_rank, timeout_s).wait()
-    return payload.cpu().numpy().tobytes()
+    return _tensor_bytes(payload)
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> Any:

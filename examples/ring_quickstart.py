@@ -62,7 +62,17 @@ def main() -> None:
     procs = [ctx.Process(target=train, args=(r, args.world, store.port, args.steps, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=600) for _ in procs)
+    results = []
+    while len(results) < len(procs):  # collect, but stop at once if a rank dies
+        try:
+            results.append(queue.get(timeout=1))
+        except Exception:  # queue.Empty: check that every rank is still alive
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"rank(s) {dead} failed; see their traceback above")
+    results.sort()
     for p in procs:
         p.join(30)
     assert all(same for _, _, same in results), "ranks diverged"
