@@ -12,6 +12,7 @@ This package knows nothing of Ray or of training state. It offers:
   back) and :class:`MembershipChanged` (re-form without rolling back).
 """
 
+from . import elastic
 from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
     allgather,
@@ -31,6 +32,7 @@ from .nccl_communicator import nccl_available
 from .object_collectives import allgather_object, broadcast_object, broadcast_tree
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .signature import agree_max
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
 from .spec import RingSpec, StoreAddress
 
@@ -39,8 +41,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Average", "CommError", "Communicator", "Compression", "Compressor", "DistributedOptimizer",
     "ElasticRingError", "Max", "MembershipChanged", "Min", "NotInitializedError", "ReduceOp", "RingSpec",
-    "StoreAddress", "Sum", "TensorMismatchError", "Work", "allgather", "allgather_object", "allreduce",
+    "StoreAddress", "Sum", "TensorMismatchError", "Work", "agree_max", "allgather", "allgather_object", "allreduce",
     "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",
-    "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "round_id", "shutdown", "size",
+    "elastic", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "round_id", "shutdown", "size",
 ]

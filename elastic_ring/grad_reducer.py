@@ -14,12 +14,12 @@ contract:
 * :meth:`synchronize` launches what is left (a parameter without a gradient
   contributes zeros), waits for every bucket, unpacks the averaged gradients
   into ``.grad`` and resets for the next step.
-* At the first gradient of every step, one 16-byte allreduce is started that
+* At the first gradient of every step, one 48-byte allreduce is started that
   checks that all ranks are at the same point and hold the same parameters
   (names, dtypes, shapes); it is waited for just before the first bucket is
   launched, so backward keeps running meanwhile. Different models, or a collective that only some ranks call between
   steps, then fail on every rank with :class:`TensorMismatchError` instead of
-  pairing a 16-byte message with a gradient bucket, which makes gloo abort the
+  pairing a 48-byte message with a gradient bucket, which makes gloo abort the
   process ("Received data size doesn't match expected size").
 * A :class:`CommError` anywhere drops everything in flight, so the step can be
   retried on the next round after a rollback. At world size 1 the hooks return

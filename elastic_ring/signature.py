@@ -2,7 +2,8 @@
 
 Every public collective first reduces a 64-bit hash of its signature (the kind
 of collective, its root, and each tensor's name, dtype and shape) with MAX over
-``[h, -h]``: all ranks agree iff max(h) == min(h). This costs one 16-byte
+``[h, -h, v1..v4]``: all ranks agree iff max(h) == min(h); the four value slots
+let a caller agree on small flags in the same message. This costs one 48-byte
 allreduce and catches, on every rank, what gloo or NCCL would otherwise turn
 into a hang or silently wrong numbers (tensors of different shapes or dtypes,
 different numbers of tensors, or different collectives called at the same
@@ -24,6 +25,12 @@ from .errors import TensorMismatchError
 from .ops import ReduceOp
 
 
+#: Every probe has the same length, whatever the call, so that two ranks making
+#: different calls still exchange equal-sized messages (gloo aborts the process
+#: on a size mismatch): two hash words plus this many value slots.
+VALUE_SLOTS = 4
+
+
 def describe(t: torch.Tensor, ignore_first_dim: bool = False) -> str:
     dims = [str(d) for d in t.shape]
     if ignore_first_dim and dims:
@@ -37,23 +44,40 @@ def _hash(text: str) -> int:
 
 
 class PendingCheck:
-    """A signature check in flight; :meth:`finish` waits and raises on disagreement."""
+    """A signature check in flight; :meth:`finish` waits and raises on disagreement.
 
-    def __init__(self, comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> None:
+    ``values`` (small non-negative ints) ride along in the same allreduce and
+    come back as their maximum over ranks, so a caller can agree on a flag in
+    the very collective that checks alignment.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        kind: str,
+        entries: Sequence[tuple[str, str]],
+        timeout_s: float | None,
+        values: Sequence[int] = (),
+    ) -> None:
         self._comm, self._kind, self._entries, self._timeout_s = comm, kind, list(entries), timeout_s
         text = kind + "\n" + "\n".join(f"{n}\t{d}" for n, d in self._entries)
         self._hash = _hash(text)
-        self._probe = torch.tensor([self._hash, -self._hash], dtype=torch.int64, device=comm.device)
+        self._values = [int(v) for v in values]
+        if len(self._values) > VALUE_SLOTS or any(v < 0 for v in self._values):
+            raise ValueError(f"a check carries at most {VALUE_SLOTS} non-negative values, got {self._values}")
+        padded = self._values + [0] * (VALUE_SLOTS - len(self._values))
+        self._probe = torch.tensor([self._hash, -self._hash, *padded], dtype=torch.int64, device=comm.device)
         self._work = comm.allreduce(self._probe, ReduceOp.MAX, timeout_s) if comm.size > 1 else None
 
-    def finish(self) -> None:
+    def finish(self) -> list[int]:
+        """Wait; return the maximum over ranks of each of ``values``."""
         if self._work is None:
-            return
+            return self._values
         self._work.wait()
         self._work = None
-        hi, neg_lo = self._probe.tolist()
+        hi, neg_lo, *maxima = self._probe.tolist()
         if hi == self._hash and -neg_lo == self._hash:
-            return
+            return maxima[: len(self._values)]
         from .object_collectives import allgather_bytes  # late: it imports this module
 
         payload = pickle.dumps((self._kind, self._entries))
@@ -61,9 +85,21 @@ class PendingCheck:
         raise TensorMismatchError(_mismatch_message(views))
 
 
-def start_check(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> PendingCheck:
+def start_check(
+    comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None, values: Sequence[int] = ()
+) -> PendingCheck:
     """Launch the check without waiting; call ``finish()`` before moving any data that depends on it."""
-    return PendingCheck(comm, kind, entries, timeout_s)
+    return PendingCheck(comm, kind, entries, timeout_s, values)
+
+
+def agree_max(kind: str, values: Sequence[int], timeout_s: float | None = None) -> list[int]:
+    """One small collective on the current ring: check that every rank is making the
+    same ``kind`` of call, and return the maximum over ranks of each of ``values``
+    (small non-negative ints, e.g. flags). Raises :class:`TensorMismatchError` on
+    every rank if some rank is making another call."""
+    from . import runtime  # late: runtime imports log, which is fine, but keep signature import-light
+
+    return start_check(runtime.current(), kind, [], timeout_s, values).finish()
 
 
 def verify_same(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> None:

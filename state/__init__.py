@@ -1,5 +1,16 @@
 """state: commit / restore / sync of training state, durable checkpoints, the elastic sampler.
 
-Uses ``elastic_ring`` only. Its contents arrive with the state issue; this
-package exists now so that the distribution's layout is final.
+Uses ``elastic_ring`` only (never Ray, never ``ray_integration``).
 """
+
+from .checkpoint_policy import CheckpointConfig
+from .checkpoint_store import CheckpointError, CheckpointStore
+from .membership import clear_membership_change, membership_change_requested, request_membership_change
+from .sampler import ElasticSampler
+from .state import State
+from .torch_state import ObjectState, TorchState
+
+__all__ = [
+    "CheckpointConfig", "CheckpointError", "CheckpointStore", "ElasticSampler", "ObjectState", "State",
+    "TorchState", "clear_membership_change", "membership_change_requested", "request_membership_change",
+]

@@ -1,0 +1,172 @@
+"""State: commit / restore / sync of training state, Horovod-style, with handlers by type.
+
+* ``commit()`` snapshots every value to host memory, may hand a copy to the
+  durable checkpoint writer, then runs one small collective in which all ranks
+  check that they are all committing and learn whether any rank has a pending
+  membership change; if so, every rank raises :class:`MembershipChanged` at
+  this same commit, after the snapshot is complete.
+* ``restore()`` puts the last commit back (local; no communication).
+* ``sync(root_rank=0)`` broadcasts root's values to every rank (a joiner gets
+  everything it needs) and commits locally. On a job's first sync, if durable
+  checkpoints are enabled and one exists, root first loads the newest valid one.
+* ``register_reset_callbacks`` adds callbacks run after the ring is re-formed.
+
+Attributes are read and assigned as plain attributes: ``state.epoch += 1``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+import elastic_ring as er
+from elastic_ring.log import get_logger
+
+from . import membership
+from .checkpoint_policy import CheckpointConfig
+from .checkpoint_store import CheckpointStore
+from .checkpoint_writer import BackgroundWriter
+from .handlers import handler_for
+from .sampler import ElasticSampler
+from .snapshot import copy_tree
+
+_log = get_logger(__name__)
+
+
+class State:
+    def __init__(self, **values: Any) -> None:
+        object.__setattr__(self, "_handlers", {})
+        object.__setattr__(self, "_snapshot", None)
+        object.__setattr__(self, "_reset_callbacks", [])
+        object.__setattr__(self, "_commits", 0)
+        object.__setattr__(self, "_synced", False)
+        object.__setattr__(self, "_checkpoint", None)
+        object.__setattr__(self, "_writer", None)
+        object.__setattr__(self, "_last_persist", time.monotonic())
+        object.__setattr__(self, "resumed_from", None)
+        for name, value in values.items():
+            setattr(self, name, value)
+
+    # ------------------------------------------------------------ attributes
+    def __getattr__(self, name: str) -> Any:
+        handlers = object.__getattribute__(self, "_handlers")
+        if name in handlers:
+            return handlers[name].value
+        raise AttributeError(f"this state has no value {name!r}; it holds {sorted(handlers)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name == "resumed_from":
+            raise AttributeError(f"state value names may not start with '_' or be 'resumed_from': {name!r}")
+        self._handlers[name] = handler_for(value)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._handlers)
+
+    @property
+    def commits(self) -> int:
+        """Number of commits made by this process."""
+        return self._commits
+
+    # ------------------------------------------------------------ commit / restore
+    def _save(self) -> None:
+        object.__setattr__(self, "_snapshot", {n: h.snapshot() for n, h in self._handlers.items()})
+
+    def commit(self) -> None:
+        """Snapshot the state, persist it if due, and check for a membership change."""
+        self._save()
+        object.__setattr__(self, "_commits", self._commits + 1)
+        self._maybe_persist()
+        self.check_membership()
+
+    def check_membership(self) -> None:
+        """Raise :class:`MembershipChanged` on every rank if any rank has a pending change."""
+        if not er.is_initialized():
+            return
+        (changed,) = er.agree_max("State.commit", [int(membership.membership_change_requested())])
+        if changed:
+            membership.clear_membership_change()
+            raise er.MembershipChanged("the ring's membership changes at this commit")
+
+    def restore(self) -> None:
+        """Put back the last commit."""
+        if self._snapshot is None:
+            raise RuntimeError("restore() before any commit or sync: there is nothing to restore to")
+        for name, handler in self._handlers.items():
+            handler.restore(self._snapshot[name])
+
+    # ------------------------------------------------------------ sync / reset
+    def sync(self, root_rank: int = 0) -> None:
+        """Give every rank root's state (resuming from a checkpoint on the job's first sync)."""
+        if not self._synced:
+            object.__setattr__(self, "_synced", True)
+            if self._checkpoint is not None and er.rank() == root_rank:
+                self._resume()
+        names = er.broadcast_object(self.names, root_rank, name="State.sync names")
+        if names != self.names:
+            raise ValueError(f"rank {er.rank()} holds state values {self.names}, root holds {names}; "
+                             "build the same TorchState on every rank")
+        tree = er.broadcast_tree({n: h.to_tree() for n, h in self._handlers.items()} if er.rank() == root_rank else None,
+                                 root_rank, name="State.sync")
+        if er.rank() != root_rank:
+            for name, handler in self._handlers.items():
+                handler.load_tree(tree[name])
+        self._save()
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Callbacks run after every re-forming of the ring (e.g. rescale the LR to the new size)."""
+        for cb in callbacks:
+            if not callable(cb):
+                raise TypeError(f"reset callback {cb!r} is not callable")
+            self._reset_callbacks.append(cb)
+
+    def on_reset(self) -> None:
+        """Called by the elastic loop after the ring is re-formed."""
+        for handler in self._handlers.values():
+            if isinstance(handler.value, ElasticSampler):
+                handler.value.reset()
+        for cb in self._reset_callbacks:
+            cb()
+
+    # ------------------------------------------------------------ durable checkpoints
+    def enable_checkpoints(self, uri: str, every_n_commits: int | None = None, every_s: float | None = None,
+                           keep_last: int = 3) -> None:
+        """Persist every ``every_n_commits`` commits and/or every ``every_s`` seconds to ``uri``
+        (any fsspec URL); keep the newest ``keep_last``. Only rank 0 writes, in the background."""
+        config = CheckpointConfig(uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last)
+        store = CheckpointStore(config.uri, keep_last=config.keep_last)
+        object.__setattr__(self, "_checkpoint", config)
+        object.__setattr__(self, "_writer", BackgroundWriter(store))
+
+    @property
+    def checkpoint_store(self) -> CheckpointStore | None:
+        return self._writer.store if self._writer is not None else None
+
+    def _maybe_persist(self) -> None:
+        config = self._checkpoint
+        if config is None or not er.is_initialized() or er.rank() != 0:
+            return
+        now = time.monotonic()
+        due = (config.every_n_commits is not None and self._commits % config.every_n_commits == 0) or (
+            config.every_s is not None and now - self._last_persist >= config.every_s)
+        if due:
+            object.__setattr__(self, "_last_persist", now)
+            self._writer.submit(copy_tree(self._snapshot), {"commits": self._commits, "names": self.names})
+
+    def persist_now(self, timeout_s: float | None = None) -> str | None:
+        """Write the last commit durably now and wait for it (e.g. before a planned shutdown); rank 0 only."""
+        if self._writer is None or self._snapshot is None or (er.is_initialized() and er.rank() != 0):
+            return None
+        self._writer.submit(copy_tree(self._snapshot), {"commits": self._commits, "names": self.names})
+        return self._writer.flush(timeout_s)
+
+    def _resume(self) -> None:
+        loaded = self._writer.store.load_latest(expected_names=self.names)
+        if loaded is None:
+            return
+        tree, info = loaded
+        for name, handler in self._handlers.items():
+            handler.load_tree(tree[name])
+        object.__setattr__(self, "resumed_from", info)
+        _log.info("resumed from checkpoint %s (commit %s)", info["uri"], info["meta"].get("commits"))
+
