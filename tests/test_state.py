@@ -137,3 +137,34 @@ def test_commit_without_a_pending_change_adds_one_small_collective(solo_ring, mo
     state = ObjectState(step=0)
     state.commit()
     assert calls == ["State.commit"]
+
+
+def test_persist_every_t_seconds_writes_in_the_background(solo_ring, tmp_path):
+    import time
+
+    state = ObjectState(step=0)
+    state.enable_checkpoints(str(tmp_path), every_s=0.2, keep_last=2)
+    started = time.monotonic()
+    while time.monotonic() - started < 1.0:
+        state.step += 1
+        state.commit()
+        time.sleep(0.02)
+    newest = state._writer.flush(timeout_s=30)
+    store = state.checkpoint_store
+    assert 1 <= len(store.complete()) <= 2
+    tree, info = store.load_latest(expected_names=["step"])
+    assert info["uri"] == newest and 0 < tree["step"] <= state.step
+    assert 3 <= int(newest.rsplit("-", 1)[1]) <= 7  # one write about every 0.2 s over 1 s
+
+
+def test_persist_every_n_commits(solo_ring):
+    import uuid
+
+    state = ObjectState(step=0)
+    state.enable_checkpoints(f"memory://n-commits-{uuid.uuid4().hex}", every_n_commits=3, keep_last=10)
+    for _ in range(10):
+        state.step += 1
+        state.commit()
+    state._writer.flush(timeout_s=30)
+    steps = [state.checkpoint_store.load(s)[0]["step"] for s in state.checkpoint_store.complete()]
+    assert steps[-1] == 9 and set(steps) <= {3, 6, 9}
