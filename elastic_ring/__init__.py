@@ -32,6 +32,7 @@ from .nccl_communicator import nccl_available
 from .object_collectives import allgather_object, broadcast_object, broadcast_tree
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .report import report, set_reporter
 from .signature import agree_max
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
 from .spec import RingSpec, StoreAddress
@@ -44,5 +45,6 @@ __all__ = [
     "StoreAddress", "Sum", "TensorMismatchError", "Work", "agree_max", "allgather", "allgather_object", "allreduce",
     "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",
-    "elastic", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "round_id", "shutdown", "size",
+    "elastic", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "report", "round_id",
+    "set_reporter", "shutdown", "size",
 ]
