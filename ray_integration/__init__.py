@@ -1,5 +1,12 @@
 """ray_integration: the membership driver, the worker actors and ``ElasticTrainer``.
 
-Uses ``elastic_ring`` and ``state``. Its contents arrive with the Ray issue;
-this package exists now so that the distribution's layout is final.
+Uses ``elastic_ring`` and ``state``.
 """
+
+from .config import TrainerConfig
+from .driver import RunFailed
+from .events import Event
+from .trainer import ElasticTrainer, Result
+from .worker import WorkerError
+
+__all__ = ["ElasticTrainer", "Event", "Result", "RunFailed", "TrainerConfig", "WorkerError"]

@@ -32,6 +32,18 @@ from .snapshot import copy_tree
 
 _log = get_logger(__name__)
 
+#: Checkpointing that every new State of this process gets (set by the worker
+#: runtime from ElasticTrainer's checkpoint options), so users write no code for it.
+_default_checkpointing: CheckpointConfig | None = None
+
+
+def set_default_checkpointing(config: CheckpointConfig | None) -> None:
+    """Make every State created afterwards in this process persist with ``config`` (None: off)."""
+    global _default_checkpointing
+    if config is not None and not isinstance(config, CheckpointConfig):
+        raise TypeError(f"expected a CheckpointConfig or None, got {type(config).__name__}")
+    _default_checkpointing = config
+
 
 class State:
     def __init__(self, **values: Any) -> None:
@@ -46,6 +58,9 @@ class State:
         object.__setattr__(self, "resumed_from", None)
         for name, value in values.items():
             setattr(self, name, value)
+        if _default_checkpointing is not None:
+            c = _default_checkpointing
+            self.enable_checkpoints(c.uri, c.every_n_commits, c.every_s, c.keep_last)
 
     # ------------------------------------------------------------ attributes
     def __getattr__(self, name: str) -> Any:

@@ -1,0 +1,111 @@
+"""ElasticTrainer: the public entry point. ``ElasticTrainer(...).run(fn, config)`` -> :class:`Result`."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+import torch.distributed as dist
+
+from elastic_ring.log import get_logger
+from state import CheckpointConfig, CheckpointStore
+
+from .config import TrainerConfig
+from .driver import Driver, Failed, Finished
+from .events import Event, EventLog
+from .protocol import Keys
+from .worker_pool import WorkerPool
+
+_log = get_logger(__name__)
+
+#: Seconds between heartbeats of a worker (its timeout is heartbeat_timeout_s).
+HEARTBEAT_INTERVAL_S = 0.5
+#: Seconds between progress lines when output is not a terminal.
+PROGRESS_INTERVAL_S = 5.0
+
+
+@dataclass
+class Result:
+    value: Any                                   # what fn returned on rank 0 of the final ring
+    metrics: list[dict] = field(default_factory=list)   # rank 0's er.report records (with time, round, world size)
+    events: list[Event] = field(default_factory=list)   # membership history
+    checkpoint: str | None = None                # URI of the newest durable checkpoint
+
+
+class ElasticTrainer:
+    def __init__(self, **options: Any) -> None:
+        self.config = TrainerConfig(**options)
+
+    def _check_cluster(self) -> None:
+        resources = ray.cluster_resources()
+        if self.config.use_gpu and resources.get("GPU", 0) == 0:
+            raise ValueError("ElasticTrainer use_gpu=True, but the Ray cluster has no GPUs; "
+                             "set use_gpu=False or connect to a cluster with GPU nodes")
+
+    def run(self, fn: Callable[[dict], Any], config: dict | None = None) -> Result:
+        """Run ``fn(config)`` on every worker until rank 0 of the final ring returns."""
+        if not callable(fn):
+            raise TypeError(f"ElasticTrainer.run expects a function fn(config), got {type(fn).__name__}")
+        if not ray.is_initialized():
+            ray.init()
+        self._check_cluster()
+        host = ray.util.get_node_ip_address()
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.config.elastic_timeout_s))
+        keys = Keys(f"job-{uuid.uuid4().hex[:8]}")
+        checkpoint = None
+        if self.config.checkpoint_uri is not None:
+            checkpoint = CheckpointConfig(self.config.checkpoint_uri, self.config.checkpoint_every_n_commits,
+                                          self.config.checkpoint_every_s, self.config.checkpoint_keep_last)
+        settings = {"ring_timeout_s": self.config.start_timeout_s + self.config.elastic_timeout_s,
+                    "checkpoint": checkpoint, "use_gpu": self.config.use_gpu}
+        events = EventLog()
+        pool = WorkerPool(self.config, store, host, keys, fn, config or {}, settings, HEARTBEAT_INTERVAL_S)
+        driver = Driver(self.config, pool, host, events)
+        metrics: list[dict] = []
+        progress = _Progress(self.config.progress)
+
+        def on_tick(d: Driver) -> None:
+            count = int(store.add(keys.metrics_count, 0))
+            while len(metrics) < count:
+                metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))
+            progress.update(metrics, d.world_size)
+
+        try:
+            final = driver.run(on_tick)
+            on_tick(driver)
+        finally:
+            pool.shutdown()
+        if isinstance(final, Failed):
+            raise final.error
+        assert isinstance(final, Finished)
+        events.add("finished", driver.round_id, driver.world_size)
+        newest = None
+        if self.config.checkpoint_uri is not None:
+            store_ = CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last)
+            complete = store_.complete()
+            newest = store_._url(store_._dir(complete[-1])) if complete else None
+        return Result(value=final.value, metrics=metrics, events=list(events.events), checkpoint=newest)
+
+
+class _Progress:
+    """One progress line every few seconds from rank 0's metrics (off with progress=False)."""
+
+    def __init__(self, enabled: bool | None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.last = 0.0
+
+    def update(self, metrics: list[dict], world_size: int | None) -> None:
+        if not self.enabled or not metrics or time.monotonic() - self.last < PROGRESS_INTERVAL_S:
+            return
+        self.last = time.monotonic()
+        m = metrics[-1]
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
+                         if k not in ("time", "rank", "round", "world_size"))
+        print(f"[elastic_ring] round {m.get('round')} world {world_size} {shown}", file=sys.stderr, flush=True)

@@ -1,0 +1,61 @@
+"""Training functions that the Ray tests hand to ElasticTrainer (importable by Ray workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+import elastic_ring as er
+from state import ElasticSampler, TorchState
+
+N_SAMPLES = 48
+
+
+def train(config: dict):
+    """Train an exact-invariant job: every sample's hit count ends at `epochs`, on every rank."""
+    g = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(N_SAMPLES, 4, generator=g), torch.randn(N_SAMPLES, 1, generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
+    sampler = ElasticSampler(N_SAMPLES, batch_size=config.get("batch", 2), seed=3)
+    state = TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+                       seen=torch.zeros(N_SAMPLES))
+    faults = {tuple(f) for f in config.get("faults", [])}  # (round, rank, step, kind)
+    delay_s = config.get("step_delay_s", 0.0)
+
+    @er.elastic.run
+    def loop(state):
+        while state.epoch < config.get("epochs", 2):
+            for batch in state.sampler:
+                if config.get("raise_at_step") == state.step and er.rank() == config.get("raise_rank", 0):
+                    raise ValueError(f"user bug at step {state.step}")
+                for rnd, rank, step, kind in faults:
+                    if er.round_id() == rnd and er.rank() == rank and state.step == step:
+                        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                idx = torch.tensor(batch, dtype=torch.long)
+                optimizer.zero_grad()
+                ((model(xs[idx]) - ys[idx]) ** 2).sum().backward()
+                optimizer.step()
+                hits = torch.zeros(N_SAMPLES)
+                hits[idx] += 1
+                state.seen = state.seen + er.allreduce(hits, op=er.Sum)
+                state.sampler.record_batch()
+                state.step += 1
+                er.report(step=state.step, epoch=state.epoch)
+                if state.step % config.get("commit_every", 2) == 0:
+                    state.commit()
+                if delay_s:
+                    time.sleep(delay_s)
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+        params = er.allgather_object([p.detach() for p in model.parameters()])
+        identical = all(torch.equal(a, b) for other in params for a, b in zip(params[0], other))
+        return {"step": state.step, "seen": state.seen.tolist(), "identical": identical, "world": er.size(),
+                "round": er.round_id()}
+
+    return loop(state)

@@ -1,0 +1,74 @@
+"""ElasticTrainer on a real local Ray instance: training, a SIGKILLed worker, a joiner, a SIGSTOPped
+worker, a user exception, and bad settings. Every run checks the exact invariant: each sample seen
+once per epoch in committed work, identical parameters on all ranks, the expected committed steps."""
+
+import time
+
+import pytest
+
+from ray_integration import ElasticTrainer, RunFailed, WorkerError
+from tests import ray_jobs
+
+
+def kinds(result):
+    return [e.kind for e in result.events]
+
+
+def check_invariant(result, epochs):
+    assert result.value["identical"], "ranks of the final ring must hold identical parameters"
+    assert result.value["seen"] == [float(epochs)] * ray_jobs.N_SAMPLES, "every sample once per epoch"
+
+
+def test_training_reports_metrics_and_events(ray_session):
+    result = ElasticTrainer(min_workers=2, max_workers=2, progress=False).run(ray_jobs.train, config={"epochs": 2})
+    check_invariant(result, 2)
+    assert result.value["step"] == 2 * ray_jobs.N_SAMPLES // (2 * 2)
+    assert kinds(result) == ["ring_formed", "finished"]
+    assert result.metrics[-1]["step"] == result.value["step"] and result.metrics[-1]["world_size"] == 2
+    assert result.checkpoint is None
+
+
+def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session):
+    result = ElasticTrainer(min_workers=2, max_workers=3, progress=False).run(
+        ray_jobs.train, config={"epochs": 4, "faults": [(1, 2, 3, "kill")], "step_delay_s": 0.15})
+    check_invariant(result, 4)
+    k = kinds(result)
+    assert k[:4] == ["ring_formed", "worker_lost", "ring_formed", "recovered"], k
+    recovered = [e for e in result.events if e.kind == "recovered"][0]
+    assert recovered.world_size == 2 and recovered.detail["seconds"] < 1.0
+    # the replacement was started in the background and joined at a commit, without a rollback
+    assert "worker_joined" in k and "resized" in k, k
+    assert result.value["world"] == 3
+
+
+def test_sigstopped_worker_is_declared_dead_after_the_heartbeat_timeout(ray_session):
+    started = time.monotonic()
+    result = ElasticTrainer(min_workers=1, max_workers=2, heartbeat_timeout_s=2.0, collective_timeout_s=30,
+                            progress=False).run(
+        ray_jobs.train, config={"epochs": 2, "faults": [(1, 1, 3, "stop")], "step_delay_s": 0.05})
+    check_invariant(result, 2)
+    lost = [e for e in result.events if e.kind == "worker_lost"]
+    assert lost and "no heartbeat" in lost[0].detail["cause"]
+    assert time.monotonic() - started < 60
+
+
+def test_user_exception_ends_the_run_with_rank_node_and_traceback(ray_session):
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        ElasticTrainer(min_workers=2, max_workers=2, progress=False).run(
+            ray_jobs.train, config={"raise_at_step": 3, "raise_rank": 1})
+    assert time.monotonic() - started < 60
+    err = info.value
+    assert err.rank == 1 and err.node_id
+    assert "ValueError: user bug at step 3" in err.remote_traceback and "ray_jobs.py" in err.remote_traceback
+
+
+def test_gpus_on_a_cluster_without_gpus_fail_fast(ray_session):
+    with pytest.raises(ValueError, match="has no GPUs; set use_gpu=False"):
+        ElasticTrainer(use_gpu=True).run(ray_jobs.train)
+
+
+def test_impossible_resources_fail_after_start_timeout_with_advice(ray_session):
+    with pytest.raises(RunFailed, match=r"only 0 of min_workers=1 workers started within start_timeout_s=3.*unicorn=1"):
+        ElasticTrainer(min_workers=1, max_workers=1, resources_per_worker={"unicorn": 1}, start_timeout_s=3,
+                       progress=False).run(ray_jobs.train)
