@@ -26,6 +26,10 @@ from .worker_pool import WorkerPool, WorkerRecord
 START_GRACE_S = 2.0
 #: How often the driver looks at the world.
 TICK_S = 0.002
+#: While re-forming after a failure that peers reported, a member that neither asks for a
+#: ring nor heartbeats for this many heartbeat intervals is presumed dead (a lost node
+#: can take Ray many seconds to declare), without waiting for heartbeat_timeout_s.
+SUSPECT_AFTER_INTERVALS = 3
 
 
 class RunFailed(RuntimeError):
@@ -120,6 +124,11 @@ class Reforming(DriverState):
         failed = _user_error(d)
         if failed:
             return failed
+        members = [r for r in d.members() if not r.dead]
+        if self.reason.startswith("failure"):
+            for r in members:
+                if not r.waiting and r.silent_s > SUSPECT_AFTER_INTERVALS * d.pool.heartbeat_interval_s:
+                    d.pool.kill(r, f"silent for {r.silent_s:.1f} s while its peers reported a failure")
         d.report_lost()
         members = [r for r in d.members() if not r.dead]
         if not all(r.waiting for r in members):

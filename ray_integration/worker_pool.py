@@ -41,6 +41,7 @@ class WorkerRecord:
     dead: bool = False
     cause: str | None = None
     finished: bool = False
+    silent_s: float = 0.0           # seconds since its last heartbeat, as of the last poll
     value: Any = None
     user_error: WorkerError | None = None
 
@@ -146,6 +147,7 @@ class WorkerPool:
             heartbeat_key = self.keys.heartbeat(record.worker_id)
             if self.store.check([heartbeat_key]):
                 silent_s = now - float(self.store.get(heartbeat_key))
+                record.silent_s = silent_s
                 if silent_s > self.config.heartbeat_timeout_s:
                     self.kill(record, f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s="
                                       f"{self.config.heartbeat_timeout_s})")

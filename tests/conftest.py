@@ -14,16 +14,20 @@ def ring():
     pool.close()
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray instance for every test that needs Ray (a local start takes about 8 s)."""
+def ray_runtime_env() -> dict:
     import os
     import pathlib
 
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    return {"env_vars": {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}}
+
+
+@pytest.fixture
+def ray_session():
+    """The shared local Ray instance (started once; a local start takes about 8 s). Multi-node
+    tests disconnect from it to use their own cluster; the next test that needs it starts it again."""
     import ray
 
-    root = str(pathlib.Path(__file__).resolve().parents[1])
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     yield ray
-    ray.shutdown()

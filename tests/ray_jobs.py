@@ -46,6 +46,9 @@ def train(config: dict):
                 state.sampler.record_batch()
                 state.step += 1
                 er.report(step=state.step, epoch=state.epoch)
+                if config.get("progress_file") and er.rank() == 0:
+                    with open(config["progress_file"], "w") as f:
+                        f.write(f"{state.step} {er.size()}")
                 if state.step % config.get("commit_every", 2) == 0:
                     state.commit()
                 if delay_s:

@@ -72,3 +72,9 @@ def test_impossible_resources_fail_after_start_timeout_with_advice(ray_session):
     with pytest.raises(RunFailed, match=r"only 0 of min_workers=1 workers started within start_timeout_s=3.*unicorn=1"):
         ElasticTrainer(min_workers=1, max_workers=1, resources_per_worker={"unicorn": 1}, start_timeout_s=3,
                        progress=False).run(ray_jobs.train)
+
+
+def test_max_failures_exceeded_ends_the_run(ray_session):
+    with pytest.raises(RunFailed, match=r"1 failures exceed max_failures=0"):
+        ElasticTrainer(min_workers=1, max_workers=2, max_failures=0, progress=False).run(
+            ray_jobs.train, config={"faults": [(1, 1, 3, "kill")]})

@@ -1,0 +1,111 @@
+"""ElasticTrainer on a multi-node Ray cluster (ray.cluster_utils.Cluster, one worker slot per node):
+a whole node removed mid-run, a node added (the world grows back to max), and falling below
+min_workers: back when capacity returns, a clear error when it does not."""
+
+import pathlib
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from ray_integration import ElasticTrainer, RunFailed
+from tests import ray_jobs
+from tests.conftest import ray_runtime_env
+
+
+@pytest.fixture
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()  # leave the shared local instance; the next test restarts it
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    ray.init(address=c.address, runtime_env=ray_runtime_env(), log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def add_slot_node(cluster):
+    return cluster.add_node(num_cpus=1, resources={"slot": 1})
+
+
+def run_in_thread(trainer, config):
+    box = {}
+
+    def target():
+        try:
+            box["result"] = trainer.run(ray_jobs.train, config=config)
+        except BaseException as exc:  # handed to the test thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def wait_for_step(progress: pathlib.Path, step: int, timeout_s: float = 60) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if progress.exists():
+            text = progress.read_text().split()
+            if len(text) == 2 and int(text[0]) >= step:
+                return int(text[0]), int(text[1])
+        time.sleep(0.05)
+    raise TimeoutError(f"training did not reach step {step} within {timeout_s} s")
+
+
+def test_node_removed_then_node_added(cluster, tmp_path):
+    nodes = [add_slot_node(cluster) for _ in range(3)]
+    cluster.wait_for_nodes()
+    progress = tmp_path / "progress"
+    trainer = ElasticTrainer(min_workers=2, max_workers=3, resources_per_worker={"slot": 1}, cpus_per_worker=1,
+                             heartbeat_timeout_s=5, progress=False)
+    thread, box = run_in_thread(trainer, {"epochs": 6, "step_delay_s": 0.1, "progress_file": str(progress)})
+    wait_for_step(progress, 3)
+    cluster.remove_node(nodes[2], allow_graceful=False)       # a whole node goes away
+    _, world = wait_for_step(progress, 12)
+    assert world == 2
+    add_slot_node(cluster)                                     # capacity returns
+    thread.join(180)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    result = box["result"]
+    kinds = [e.kind for e in result.events]
+    assert "worker_lost" in kinds and "recovered" in kinds and "worker_joined" in kinds, kinds
+    assert result.value["world"] == 3
+    assert result.value["identical"] and result.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
+
+
+def test_below_min_workers_waits_for_capacity_then_fails_clearly(cluster, tmp_path):
+    nodes = [add_slot_node(cluster) for _ in range(2)]
+    cluster.wait_for_nodes()
+    progress = tmp_path / "progress"
+    trainer = ElasticTrainer(min_workers=2, max_workers=2, resources_per_worker={"slot": 1}, cpus_per_worker=1,
+                             heartbeat_timeout_s=5, elastic_timeout_s=4, progress=False)
+    thread, box = run_in_thread(trainer, {"epochs": 50, "step_delay_s": 0.05, "progress_file": str(progress)})
+    wait_for_step(progress, 3)
+    cluster.remove_node(nodes[1], allow_graceful=False)
+    thread.join(120)
+    assert not thread.is_alive()
+    assert isinstance(box.get("error"), RunFailed)
+    assert "below min_workers=2" in str(box["error"]) and "elastic_timeout_s=4" in str(box["error"])
+
+
+def test_below_min_workers_and_back_when_a_node_arrives_in_time(cluster, tmp_path):
+    nodes = [add_slot_node(cluster) for _ in range(2)]
+    cluster.wait_for_nodes()
+    progress = tmp_path / "progress"
+    trainer = ElasticTrainer(min_workers=2, max_workers=2, resources_per_worker={"slot": 1}, cpus_per_worker=1,
+                             heartbeat_timeout_s=5, elastic_timeout_s=60, progress=False)
+    thread, box = run_in_thread(trainer, {"epochs": 4, "step_delay_s": 0.05, "progress_file": str(progress)})
+    wait_for_step(progress, 3)
+    cluster.remove_node(nodes[1], allow_graceful=False)   # 1 worker left: below min_workers=2
+    time.sleep(2)
+    add_slot_node(cluster)                                 # capacity comes back within elastic_timeout_s
+    thread.join(180)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    result = box["result"]
+    kinds = [e.kind for e in result.events]
+    assert "worker_lost" in kinds and "worker_joined" in kinds, kinds
+    assert result.value["world"] == 2
+    assert result.value["identical"] and result.value["seen"] == [4.0] * ray_jobs.N_SAMPLES
