@@ -88,9 +88,7 @@ class ElasticTrainer:
         events.add("finished", driver.round_id, driver.world_size)
         newest = None
         if self.config.checkpoint_uri is not None:
-            store_ = CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last)
-            complete = store_.complete()
-            newest = store_._url(store_._dir(complete[-1])) if complete else None
+            newest = CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
         return Result(value=final.value, metrics=metrics, events=list(events.events), checkpoint=newest)
 
 

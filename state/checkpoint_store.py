@@ -149,6 +149,11 @@ class CheckpointStore:
                                   f"but this state has {sorted(expected_names)}; point checkpoint_uri at this job's checkpoints")
         return tree, {"uri": self._url(directory), "seq": seq, "meta": manifest.get("meta", {})}
 
+    def newest_uri(self) -> str | None:
+        """URI of the newest complete checkpoint (manifest written), or None."""
+        complete = self.complete()
+        return self._url(self._dir(complete[-1])) if complete else None
+
     def load_latest(self, expected_names: list[str] | None = None) -> tuple[Any, dict] | None:
         """The newest valid checkpoint, falling back (with a warning) past damaged ones; None if there is none."""
         complete = self.complete()

@@ -59,6 +59,6 @@ def train(config: dict):
         params = er.allgather_object([p.detach() for p in model.parameters()])
         identical = all(torch.equal(a, b) for other in params for a, b in zip(params[0], other))
         return {"step": state.step, "seen": state.seen.tolist(), "identical": identical, "world": er.size(),
-                "round": er.round_id()}
+                "round": er.round_id(), "resumed_from": state.resumed_from}
 
     return loop(state)

@@ -78,3 +78,17 @@ def test_max_failures_exceeded_ends_the_run(ray_session):
     with pytest.raises(RunFailed, match=r"1 failures exceed max_failures=0"):
         ElasticTrainer(min_workers=1, max_workers=2, max_failures=0, progress=False).run(
             ray_jobs.train, config={"faults": [(1, 1, 3, "kill")]})
+
+
+def test_checkpoint_uri_persists_and_a_second_run_resumes(ray_session, tmp_path):
+    uri = str(tmp_path / "ckpt")
+    options = dict(min_workers=2, max_workers=2, checkpoint_uri=uri, checkpoint_every_n_commits=4, progress=False)
+    first = ElasticTrainer(**options).run(ray_jobs.train, config={"epochs": 2})
+    assert first.checkpoint is not None and first.checkpoint.startswith("file://") and "ckpt-" in first.checkpoint
+    assert first.value["resumed_from"] is None
+    # same script again (e.g. after the cluster was lost): it resumes from the newest checkpoint
+    second = ElasticTrainer(**options).run(ray_jobs.train, config={"epochs": 3})
+    assert second.value["resumed_from"]["uri"] == first.checkpoint
+    # epochs 0-1 came from the checkpoint; only epoch 2 was trained now, each sample once more
+    check_invariant(second, 3)
+    assert second.value["step"] == 3 * ray_jobs.N_SAMPLES // (2 * 2)
