@@ -30,8 +30,8 @@ def test_training_reports_metrics_and_events(ray_session):
 
 def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session):
     result = ElasticTrainer(min_workers=2, max_workers=3, progress=False).run(
-        ray_jobs.train, config={"epochs": 4, "faults": [(1, 2, 3, "kill")], "step_delay_s": 0.15})
-    check_invariant(result, 4)
+        ray_jobs.train, config={"epochs": 6, "faults": [(1, 2, 3, "kill")], "step_delay_s": 0.15})
+    check_invariant(result, 6)
     k = kinds(result)
     assert k[:4] == ["ring_formed", "worker_lost", "ring_formed", "recovered"], k
     recovered = [e for e in result.events if e.kind == "recovered"][0]
