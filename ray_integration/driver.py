@@ -117,6 +117,7 @@ class Running(DriverState):
 class Reforming(DriverState):
     def __init__(self, reason: str) -> None:
         self.reason = reason
+        self.counted = False  # this failure counted against max_failures
         self.since = time.monotonic()
         self.detected_at = time.time()
 
@@ -125,7 +126,7 @@ class Reforming(DriverState):
         if failed:
             return failed
         members = [r for r in d.members() if not r.dead]
-        if self.reason.startswith("failure"):
+        if self.reason == "failure":
             for r in members:
                 if not r.waiting and r.silent_s > SUSPECT_AFTER_INTERVALS * d.pool.heartbeat_interval_s:
                     d.pool.kill(r, f"silent for {r.silent_s:.1f} s while its peers reported a failure")
@@ -133,12 +134,12 @@ class Reforming(DriverState):
         members = [r for r in d.members() if not r.dead]
         if not all(r.waiting for r in members):
             return self  # wait for everyone alive to reach the rendezvous (heartbeats catch the hung)
-        if self.reason == "failure":
+        if self.reason == "failure" and not self.counted:
+            self.counted = True
             d.failures += 1
             decision = policies.after_failure(d.failures, d.config.max_failures)
             if decision.give_up:
                 return Failed(RunFailed(decision.message))
-            self.reason = "failure (counted)"
         joiners = d.joiners()
         if len(members) + len(joiners) < d.config.min_workers:
             d.pool.request(policies.workers_to_request(len(d.pool.live()), d.config.max_workers))
@@ -149,7 +150,7 @@ class Reforming(DriverState):
                     "min_workers, or raise elastic_timeout_s"))
             return self
         d.form(members, joiners, reason=self.reason)
-        d.events.add("recovered" if self.reason.startswith("failure") else "resized", d.round_id, d.world_size,
+        d.events.add("recovered" if self.reason == "failure" else "resized", d.round_id, d.world_size,
                      seconds=round(time.time() - self.detected_at, 4))
         return Running()
 
