@@ -8,7 +8,8 @@ two sides cannot drift apart:
 * ``ring``: the driver's answer for that generation: a pickled ``RingSpec``,
   or ``STOP`` when the job is over for this worker;
 * ``heartbeat``: the worker's wall-clock time, refreshed by a thread;
-* ``metrics``: rank 0's ``er.report`` records, numbered from 1.
+* ``metrics``: rank 0's ``er.report`` records, numbered from 1;
+* ``resumed``: the checkpoint info, when rank 0 resumed the job from a checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class Keys:
 
     def metric(self, index: int) -> str:
         return f"{self.job}/metrics/{index}"
+
+    @property
+    def resumed(self) -> str:
+        return f"{self.job}/resumed"
 
 
 def parse_waiting(value: bytes) -> tuple[int, str]:

@@ -71,7 +71,14 @@ class ElasticTrainer:
         metrics: list[dict] = []
         progress = _Progress(self.config.progress)
 
+        resumed: list[dict] = []
+
         def on_tick(d: Driver) -> None:
+            if not resumed and store.check([keys.resumed]):
+                resumed.append(pickle.loads(store.get(keys.resumed)))
+                info = resumed[0]
+                events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info["uri"], seq=info["seq"],
+                           commits=info["meta"].get("commits"))
             count = int(store.add(keys.metrics_count, 0))
             while len(metrics) < count:
                 metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))

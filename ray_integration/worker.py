@@ -98,6 +98,7 @@ class RingWorker:
         er.elastic.set_rendezvous(StoreRendezvous(self._store, self._keys, self.worker_id, settings["ring_timeout_s"]))
         er.set_reporter(self._report)
         state_pkg.set_default_checkpointing(settings.get("checkpoint"))
+        state_pkg.set_resume_listener(lambda info: self._store.set(self._keys.resumed, pickle.dumps(info)))
         if settings.get("use_gpu"):
             import torch
 

@@ -7,10 +7,10 @@ from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointError, CheckpointStore
 from .membership import clear_membership_change, membership_change_requested, request_membership_change
 from .sampler import ElasticSampler
-from .state import State, set_default_checkpointing
+from .state import State, set_default_checkpointing, set_resume_listener
 from .torch_state import ObjectState, TorchState
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "CheckpointStore", "ElasticSampler", "ObjectState", "State",
-    "TorchState", "clear_membership_change", "set_default_checkpointing", "membership_change_requested", "request_membership_change",
+    "TorchState", "clear_membership_change", "set_default_checkpointing", "set_resume_listener", "membership_change_requested", "request_membership_change",
 ]

@@ -37,6 +37,17 @@ _log = get_logger(__name__)
 _default_checkpointing: CheckpointConfig | None = None
 
 
+#: Called with the checkpoint's info when a State resumes from one (the worker
+#: runtime forwards it to the driver's result.events).
+_resume_listener: Callable[[dict], None] | None = None
+
+
+def set_resume_listener(listener: Callable[[dict], None] | None) -> None:
+    """Call ``listener(info)`` whenever a State of this process resumes from a checkpoint."""
+    global _resume_listener
+    _resume_listener = listener
+
+
 def set_default_checkpointing(config: CheckpointConfig | None) -> None:
     """Make every State created afterwards in this process persist with ``config`` (None: off)."""
     global _default_checkpointing
@@ -184,4 +195,6 @@ class State:
             handler.load_tree(tree[name])
         object.__setattr__(self, "resumed_from", info)
         _log.info("resumed from checkpoint %s (commit %s)", info["uri"], info["meta"].get("commits"))
+        if _resume_listener is not None:
+            _resume_listener(info)
 
