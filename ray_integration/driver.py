@@ -26,6 +26,8 @@ from .worker_pool import WorkerPool, WorkerRecord
 START_GRACE_S = 2.0
 #: How often the driver looks at the world.
 TICK_S = 0.002
+#: How often the driver asks Ray which nodes are draining (a GCS call).
+DRAIN_POLL_S = 0.5
 #: While re-forming after a failure that peers reported, a member that neither asks for a
 #: ring nor heartbeats for this many heartbeat intervals is presumed dead (a lost node
 #: can take Ray many seconds to declare), without waiting for heartbeat_timeout_s.
@@ -94,6 +96,25 @@ class Starting(DriverState):
 class Running(DriverState):
     def __init__(self) -> None:
         self.change_requested = False
+        self.last_drain_poll = 0.0
+
+    def _watch_drains(self, d: "Driver", members: list[WorkerRecord]) -> None:
+        if time.monotonic() - self.last_drain_poll < DRAIN_POLL_S:
+            return
+        self.last_drain_poll = time.monotonic()
+        d.draining = d.pool.draining_nodes()
+        newly = [r for r in members if r.node_id in d.draining and not r.leaving and not r.dead]
+        if not newly:
+            return
+        for r in newly:
+            r.leaving = True
+        for node in {r.node_id for r in newly}:
+            d.events.add("node_draining", d.round_id, d.world_size, node=node, deadline_ms=d.draining[node],
+                         workers=[r.worker_id for r in newly if r.node_id == node])
+        staying = len([r for r in members if not r.leaving and not r.dead]) + len(d.joiners())
+        persist = policies.persist_before_leaving(staying, d.config.min_workers)
+        d.pool.notify_membership_change([r for r in members if not r.dead], persist=persist)
+        self.change_requested = True
 
     def step(self, d: "Driver") -> DriverState:
         failed = _user_error(d)
@@ -102,6 +123,7 @@ class Running(DriverState):
         members = d.members()
         if members and all(r.finished for r in members):
             return Finished(d.rank0_value())
+        self._watch_drains(d, members)
         if d.report_lost() or any(r.waiting and r.reason == "failure" for r in members):
             return Reforming("failure")
         if any(r.waiting and r.reason == "membership" for r in members):
@@ -131,9 +153,14 @@ class Reforming(DriverState):
                 if not r.waiting and r.silent_s > SUSPECT_AFTER_INTERVALS * d.pool.heartbeat_interval_s:
                     d.pool.kill(r, f"silent for {r.silent_s:.1f} s while its peers reported a failure")
         d.report_lost()
-        members = [r for r in d.members() if not r.dead]
-        if not all(r.waiting for r in members):
-            return self  # wait for everyone alive to reach the rendezvous (heartbeats catch the hung)
+        alive = [r for r in d.members() if not r.dead]
+        members = [r for r in alive if not r.leaving]
+        leaving = [r for r in alive if r.leaving]
+        # everyone staying must reach the rendezvous; everyone leaving must have committed and be told to go
+        if not all(r.waiting for r in members) or not all(r.waiting or r.finished for r in leaving):
+            return self  # (heartbeats catch the hung)
+        for r in leaving:
+            d.pool.stop(r)  # its node drains: it leaves now, with the state committed
         if self.reason == "failure" and not self.counted:
             self.counted = True
             d.failures += 1
@@ -162,6 +189,7 @@ class Driver:
         self.ring: Ring | None = None
         self.failures = 0
         self.lost_reported: set[str] = set()
+        self.draining: dict[str, int] = {}  # node id hex -> deadline ms, as of the last poll
 
     @property
     def world_size(self) -> int | None:
@@ -173,9 +201,10 @@ class Driver:
         return [self.pool.records[w] for w in self.ring.worker_ids]
 
     def joiners(self) -> list[WorkerRecord]:
-        """Fully started workers waiting for their first ring, oldest first."""
+        """Fully started workers waiting for their first ring, not on a draining node, oldest first."""
         member_ids = set(self.ring.worker_ids) if self.ring else set()
-        ready = [r for r in self.pool.live() if r.waiting and r.worker_id not in member_ids and not r.has_state]
+        ready = [r for r in self.pool.live() if r.waiting and r.worker_id not in member_ids and not r.has_state
+                 and r.node_id not in self.draining]
         return sorted(ready, key=lambda r: r.joined_seq)
 
     def report_lost(self) -> bool:

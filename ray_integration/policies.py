@@ -35,3 +35,8 @@ def after_failure(failures: int, max_failures: int) -> FailureDecision:
         return FailureDecision(True, f"{failures} failures exceed max_failures={max_failures}; "
                                      "raise max_failures or look at why workers keep failing")
     return FailureDecision(False)
+
+
+def persist_before_leaving(remaining: int, min_workers: int) -> bool:
+    """Write a durable checkpoint at the drain commit when the ring left behind would be too small."""
+    return remaining < min_workers

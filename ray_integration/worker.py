@@ -113,8 +113,8 @@ class RingWorker:
         finally:
             er.shutdown()
 
-    def request_membership_change(self) -> None:
-        state_pkg.request_membership_change()
+    def request_membership_change(self, persist: bool = False) -> None:
+        state_pkg.request_membership_change(persist)
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

@@ -41,6 +41,7 @@ class WorkerRecord:
     dead: bool = False
     cause: str | None = None
     finished: bool = False
+    leaving: bool = False           # its node drains: it leaves the ring at the next commit
     silent_s: float = 0.0           # seconds since its last heartbeat, as of the last poll
     value: Any = None
     user_error: WorkerError | None = None
@@ -86,13 +87,23 @@ class WorkerPool:
 
     def stop_waiting(self) -> None:
         for record in self.live():
-            if record.waiting:
-                self.store.set(self.keys.ring(record.worker_id, record.generation), STOP)
-                record.answered = record.generation
+            self.stop(record)
 
-    def notify_membership_change(self, records: list[WorkerRecord]) -> None:
+    def notify_membership_change(self, records: list[WorkerRecord], persist: bool = False) -> None:
         for record in records:
-            record.actor.request_membership_change.remote()
+            record.actor.request_membership_change.remote(persist)
+
+    def stop(self, record: WorkerRecord) -> None:
+        """Answer a waiting worker with STOP: its run returns (it leaves the job)."""
+        if record.waiting:
+            self.store.set(self.keys.ring(record.worker_id, record.generation), STOP)
+            record.answered = record.generation
+
+    @staticmethod
+    def draining_nodes() -> dict[str, int]:
+        """Ray's draining nodes: node id hex -> deadline in ms (0: none); the signal
+        Ray Train v2's preemption watcher reads, set by autoscaler v2 and `ray drain-node`."""
+        return ray._private.state.state.get_draining_nodes()
 
     def kill(self, record: WorkerRecord, cause: str) -> None:
         if not record.dead:

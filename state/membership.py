@@ -11,10 +11,15 @@ from __future__ import annotations
 import threading
 
 _pending = threading.Event()
+_persist = threading.Event()
 
 
-def request_membership_change() -> None:
-    """Ask every rank to re-form at the next commit (thread-safe)."""
+def request_membership_change(persist: bool = False) -> None:
+    """Ask every rank to re-form at the next commit (thread-safe). With ``persist``,
+    that commit is also written durably before re-forming (e.g. a node drains and
+    the remaining ring would fall below ``min_workers``)."""
+    if persist:
+        _persist.set()
     _pending.set()
 
 
@@ -22,5 +27,10 @@ def membership_change_requested() -> bool:
     return _pending.is_set()
 
 
+def persist_requested() -> bool:
+    return _persist.is_set()
+
+
 def clear_membership_change() -> None:
     _pending.clear()
+    _persist.clear()

@@ -106,12 +106,21 @@ class State:
         self.check_membership()
 
     def check_membership(self) -> None:
-        """Raise :class:`MembershipChanged` on every rank if any rank has a pending change."""
+        """Raise :class:`MembershipChanged` on every rank if any rank has a pending change
+        (after writing the commit durably first, if any rank was asked to persist)."""
         if not er.is_initialized():
             return
-        (changed,) = er.agree_max("State.commit", [int(membership.membership_change_requested())])
+        changed, persist = er.agree_max("State.commit", [int(membership.membership_change_requested()),
+                                                         int(membership.persist_requested())])
         if changed:
             membership.clear_membership_change()
+            if persist:
+                if self._writer is None:
+                    _log.warning("asked to persist before re-forming, but no checkpoint_uri is set; continuing without")
+                else:
+                    uri = self.persist_now()
+                    if uri is not None:
+                        _log.info("persisted %s before re-forming", uri)
             raise er.MembershipChanged("the ring's membership changes at this commit")
 
     def restore(self) -> None:

@@ -109,3 +109,52 @@ def test_below_min_workers_and_back_when_a_node_arrives_in_time(cluster, tmp_pat
     assert "worker_lost" in kinds and "worker_joined" in kinds, kinds
     assert result.value["world"] == 2
     assert result.value["identical"] and result.value["seen"] == [4.0] * ray_jobs.N_SAMPLES
+
+
+def drain(cluster, node, deadline_s: int) -> None:
+    """What autoscaler v2 does on a preemption notice (and `ray drain-node --reason=...PREEMPTION`)."""
+    from ray.core.generated import autoscaler_pb2
+
+    client = ray._raylet.GcsClient(address=cluster.address)
+    accepted, message = client.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                          "spot instance preempted (test)", int(time.time() * 1000) + deadline_s * 1000)
+    assert accepted, message
+
+
+def test_draining_node_leaves_at_a_commit_without_rollback(cluster, tmp_path):
+    nodes = [add_slot_node(cluster) for _ in range(3)]
+    cluster.wait_for_nodes()
+    progress = tmp_path / "progress"
+    trainer = ElasticTrainer(min_workers=2, max_workers=3, resources_per_worker={"slot": 1}, cpus_per_worker=1,
+                             progress=False)
+    thread, box = run_in_thread(trainer, {"epochs": 6, "step_delay_s": 0.05, "progress_file": str(progress)})
+    wait_for_step(progress, 3)
+    drain(cluster, nodes[2], deadline_s=20)
+    _, world = wait_for_step(progress, 40)
+    assert world == 2
+    cluster.remove_node(nodes[2], allow_graceful=False)   # the node goes at its deadline
+    thread.join(120)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    result = box["result"]
+    kinds = [e.kind for e in result.events]
+    assert "node_draining" in kinds and "resized" in kinds, kinds
+    assert "worker_lost" not in kinds and "recovered" not in kinds, kinds   # nobody failed: zero rollback
+    assert result.value["identical"] and result.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
+
+
+def test_drain_below_min_workers_persists_a_checkpoint_first(cluster, tmp_path):
+    nodes = [add_slot_node(cluster) for _ in range(2)]
+    cluster.wait_for_nodes()
+    progress, ckpt = tmp_path / "progress", str(tmp_path / "ckpt")
+    trainer = ElasticTrainer(min_workers=2, max_workers=2, resources_per_worker={"slot": 1}, cpus_per_worker=1,
+                             checkpoint_uri=ckpt, checkpoint_every_n_commits=1000, elastic_timeout_s=3, progress=False)
+    thread, box = run_in_thread(trainer, {"epochs": 50, "step_delay_s": 0.05, "progress_file": str(progress)})
+    step, _ = wait_for_step(progress, 5)
+    drain(cluster, nodes[1], deadline_s=30)
+    thread.join(120)
+    assert not thread.is_alive()
+    assert isinstance(box.get("error"), RunFailed) and "below min_workers=2" in str(box["error"])
+    from state import CheckpointStore
+
+    saved, info = CheckpointStore(ckpt).load_latest()
+    assert saved["step"] >= step   # the drain commit was written durably before the ring shrank
