@@ -57,6 +57,14 @@ class Failed(DriverState):
     terminal = True
 
 
+@dataclass
+class Stopped(DriverState):
+    """Stopped on request (SIGTERM) after every member's last commit."""
+
+    reason: str
+    terminal = True
+
+
 def _user_error(d: "Driver") -> DriverState | None:
     for record in d.pool.records.values():
         if record.user_error is not None:
@@ -73,6 +81,8 @@ class Starting(DriverState):
         self.ready_seen = 0
 
     def step(self, d: "Driver") -> DriverState:
+        if d.stop_reason is not None:
+            return Stopped(d.stop_reason)  # nothing trained yet: nothing to save
         d.pool.request(policies.workers_to_request(len(d.pool.live()), d.config.max_workers))
         failed = _user_error(d)
         if failed:
@@ -97,6 +107,25 @@ class Running(DriverState):
     def __init__(self) -> None:
         self.change_requested = False
         self.last_drain_poll = 0.0
+        self.stop_sent_at: float | None = None
+
+    def _handle_stop(self, d: "Driver", members: list[WorkerRecord]) -> DriverState | None:
+        """Ask every member to stop at its next commit (written durably), then wait for them."""
+        if d.stop_reason is None:
+            return None
+        if self.stop_sent_at is None:
+            self.stop_sent_at = time.monotonic()
+            d.events.add("stop_requested", d.round_id, d.world_size, reason=d.stop_reason)
+            for r in members:
+                if not r.dead:
+                    r.actor.request_stop.remote()
+        alive = [r for r in members if not r.dead]
+        if all(r.finished for r in alive):
+            return Stopped(d.stop_reason)
+        if time.monotonic() - self.stop_sent_at > d.config.elastic_timeout_s:
+            return Failed(RunFailed(f"{d.stop_reason}: the workers did not reach a commit within elastic_timeout_s="
+                                    f"{d.config.elastic_timeout_s}; work since the last durable checkpoint is lost"))
+        return self
 
     def _watch_drains(self, d: "Driver", members: list[WorkerRecord]) -> None:
         if time.monotonic() - self.last_drain_poll < DRAIN_POLL_S:
@@ -121,6 +150,9 @@ class Running(DriverState):
         if failed:
             return failed
         members = d.members()
+        stopping = self._handle_stop(d, members)
+        if stopping is not None:
+            return stopping
         if members and all(r.finished for r in members):
             return Finished(d.rank0_value())
         self._watch_drains(d, members)
@@ -190,6 +222,11 @@ class Driver:
         self.failures = 0
         self.lost_reported: set[str] = set()
         self.draining: dict[str, int] = {}  # node id hex -> deadline ms, as of the last poll
+        self.stop_reason: str | None = None   # set (e.g. by a SIGTERM handler) to stop at the next commit
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next commit, written durably (safe to call from a signal handler)."""
+        self.stop_reason = reason
 
     @property
     def world_size(self) -> int | None:

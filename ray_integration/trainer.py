@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import signal
+import threading
 import sys
 import time
 import uuid
@@ -17,7 +19,7 @@ from elastic_ring.log import get_logger
 from state import CheckpointConfig, CheckpointStore
 
 from .config import TrainerConfig
-from .driver import Driver, Failed, Finished
+from .driver import Driver, Failed, Finished, Stopped
 from .events import Event, EventLog
 from .protocol import Keys
 from .worker_pool import WorkerPool
@@ -84,13 +86,27 @@ class ElasticTrainer:
                 metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))
             progress.update(metrics, d.world_size)
 
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            # A spot VM gets SIGTERM before it goes: stop at the next commit, written durably.
+            previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: driver.request_stop("SIGTERM"))
         try:
             final = driver.run(on_tick)
             on_tick(driver)
         finally:
             pool.shutdown()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
         if isinstance(final, Failed):
             raise final.error
+        if isinstance(final, Stopped):
+            newest = (CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
+                      if self.config.checkpoint_uri is not None else None)
+            saved = (f"the last commit is saved as {newest}; run the same script again to resume" if newest else
+                     "no checkpoint_uri was set, so nothing was saved")
+            print(f"elastic_ring: {final.reason} received: training stopped at a commit; {saved}", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(0)
         assert isinstance(final, Finished)
         events.add("finished", driver.round_id, driver.world_size)
         newest = None

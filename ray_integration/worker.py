@@ -105,7 +105,7 @@ class RingWorker:
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         try:
             return fn(config)
-        except JobStopped:
+        except (JobStopped, state_pkg.TrainingStopped):
             return None
         except Exception:
             rank = er.rank() if er.is_initialized() else None
@@ -115,6 +115,9 @@ class RingWorker:
 
     def request_membership_change(self, persist: bool = False) -> None:
         state_pkg.request_membership_change(persist)
+
+    def request_stop(self) -> None:
+        state_pkg.request_stop()
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

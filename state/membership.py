@@ -12,6 +12,22 @@ import threading
 
 _pending = threading.Event()
 _persist = threading.Event()
+_stop = threading.Event()
+
+
+class TrainingStopped(Exception):
+    """Raised by ``commit()`` on every rank when the job was asked to stop (e.g. the
+    driver got SIGTERM): the commit is complete and, with checkpoints enabled,
+    durable. The elastic loop lets it through; the worker runtime ends quietly."""
+
+
+def request_stop() -> None:
+    """Ask every rank to stop at the next commit, after writing it durably (thread-safe)."""
+    _stop.set()
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
 
 
 def request_membership_change(persist: bool = False) -> None:
@@ -34,3 +50,4 @@ def persist_requested() -> bool:
 def clear_membership_change() -> None:
     _pending.clear()
     _persist.clear()
+    _stop.clear()

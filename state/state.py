@@ -106,22 +106,26 @@ class State:
         self.check_membership()
 
     def check_membership(self) -> None:
-        """Raise :class:`MembershipChanged` on every rank if any rank has a pending change
-        (after writing the commit durably first, if any rank was asked to persist)."""
+        """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
+        pending change, or :class:`TrainingStopped` if the job must stop; persist first if asked."""
         if not er.is_initialized():
             return
-        changed, persist = er.agree_max("State.commit", [int(membership.membership_change_requested()),
-                                                         int(membership.persist_requested())])
-        if changed:
-            membership.clear_membership_change()
-            if persist:
-                if self._writer is None:
-                    _log.warning("asked to persist before re-forming, but no checkpoint_uri is set; continuing without")
-                else:
-                    uri = self.persist_now()
-                    if uri is not None:
-                        _log.info("persisted %s before re-forming", uri)
-            raise er.MembershipChanged("the ring's membership changes at this commit")
+        changed, persist, stop = er.agree_max("State.commit", [int(membership.membership_change_requested()),
+                                                               int(membership.persist_requested()),
+                                                               int(membership.stop_requested())])
+        if not (changed or stop):
+            return
+        membership.clear_membership_change()
+        if persist or stop:
+            if self._writer is None:
+                _log.warning("asked to persist this commit, but no checkpoint_uri is set; continuing without")
+            else:
+                uri = self.persist_now()
+                if uri is not None:
+                    _log.info("persisted %s", uri)
+        if stop:
+            raise membership.TrainingStopped("the job was asked to stop; this commit is the last")
+        raise er.MembershipChanged("the ring's membership changes at this commit")
 
     def restore(self) -> None:
         """Put back the last commit."""
