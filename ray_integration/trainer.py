@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import ray
 import torch.distributed as dist
+from ray.autoscaler.sdk import request_resources
 
 from elastic_ring.log import get_logger
 from state import CheckpointConfig, CheckpointStore
@@ -86,6 +87,9 @@ class ElasticTrainer:
                 metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))
             progress.update(metrics, d.world_size)
 
+        # Demand the autoscaler can see: max_workers worker bundles while the job runs.
+        bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
+        request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * self.config.max_workers)
         previous_handler = None
         if threading.current_thread() is threading.main_thread():
             # A spot VM gets SIGTERM before it goes: stop at the next commit, written durably.
@@ -95,6 +99,7 @@ class ElasticTrainer:
             on_tick(driver)
         finally:
             pool.shutdown()
+            request_resources(bundles=[])  # cancel the demand, also on failure
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
         if isinstance(final, Failed):

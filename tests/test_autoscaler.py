@@ -1,0 +1,72 @@
+"""A real Ray autoscaler (fake multi-node provider) launches nodes because of the job's demand;
+the ring grows to max_workers while training and ends with identical parameters on all ranks.
+
+The cluster keeps one worker node up (min_workers: 1), so the job's first ring forms there
+and the two nodes the autoscaler launches for the job's demand join while it trains."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests import ray_jobs
+from tests.test_preemption import pids_with
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def autoscaling_config(gcs_address: str) -> dict:
+    return {
+        "cluster_name": "fake_multinode", "max_workers": 3,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": gcs_address},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+            "ray.worker.slot": {"resources": {"CPU": 1, "slot": 1, "object_store_memory": 200_000_000},
+                                "node_config": {}, "min_workers": 1, "max_workers": 3},
+        },
+        "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1,
+        "docker": {}, "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": [],
+    }
+
+
+def test_job_grows_with_the_autoscaler(tmp_path):
+    temp_dir = tempfile.mkdtemp(prefix="/tmp/era")
+    port, dashboard = free_port(), free_port()
+    config = tmp_path / "autoscaler.json"
+    config.write_text(json.dumps(autoscaling_config(f"127.0.0.1:{port}")))
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    try:
+        subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=0", f"--autoscaling-config={config}",
+                        f"--temp-dir={temp_dir}", f"--dashboard-port={dashboard}"],
+                       env=env, check=True, capture_output=True, timeout=120)
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "tests/scripts/autoscaled_job.py", f"127.0.0.1:{port}"], cwd=ROOT,
+                             env={**os.environ, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=300)
+        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        assert out.returncode == 0 and line, out.stdout[-2000:] + out.stderr[-4000:]
+        result = json.loads(line[0][len("RESULT "):])
+        assert result["worlds"][0] < 3 and max(result["worlds"]) == 3, result["worlds"]  # grew while training
+        assert "worker_joined" in result["events"]
+        assert result["identical"] and result["seen"] == [40.0] * ray_jobs.N_SAMPLES
+        assert time.monotonic() - started < 300
+    finally:
+        for pid in pids_with(temp_dir):  # this cluster's own processes, by PID; never `ray stop`
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
