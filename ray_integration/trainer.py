@@ -81,7 +81,7 @@ class ElasticTrainer:
                 resumed.append(pickle.loads(store.get(keys.resumed)))
                 info = resumed[0]
                 events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info["uri"], seq=info["seq"],
-                           commits=info["meta"].get("commits"))
+                           commits=info["meta"].get("commits"), epoch=info.get("epoch"), step=info.get("step"))
             count = int(store.add(keys.metrics_count, 0))
             while len(metrics) < count:
                 metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))

@@ -206,8 +206,10 @@ class State:
         tree, info = loaded
         for name, handler in self._handlers.items():
             handler.load_tree(tree[name])
+        info = {**info, "epoch": tree.get("epoch"), "step": tree.get("step")}  # when the state keeps them
         object.__setattr__(self, "resumed_from", info)
-        _log.info("resumed from checkpoint %s (commit %s)", info["uri"], info["meta"].get("commits"))
+        _log.info("resumed from checkpoint %s at epoch %s, step %s (commit %s)", info["uri"], info["epoch"],
+                  info["step"], info["meta"].get("commits"))
         if _resume_listener is not None:
             _resume_listener(info)
 

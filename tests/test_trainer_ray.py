@@ -91,6 +91,7 @@ def test_checkpoint_uri_persists_and_a_second_run_resumes(ray_session, tmp_path)
     assert second.value["resumed_from"]["uri"] == first.checkpoint
     resumed = [e for e in second.events if e.kind == "resumed_from_checkpoint"]
     assert len(resumed) == 1 and resumed[0].detail["uri"] == first.checkpoint and resumed[0].round_id == 1
+    assert resumed[0].detail["step"] > 0 and resumed[0].detail["epoch"] in (1, 2)
     # epochs 0-1 came from the checkpoint; only epoch 2 was trained now, each sample once more
     check_invariant(second, 3)
     assert second.value["step"] == 3 * ray_jobs.N_SAMPLES // (2 * 2)
