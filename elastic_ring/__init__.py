@@ -12,7 +12,7 @@ This package knows nothing of Ray or of training state. It offers:
   back) and :class:`MembershipChanged` (re-form without rolling back).
 """
 
-from . import elastic
+from . import elastic, progress, timeline
 from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
     allgather,
@@ -32,6 +32,7 @@ from .nccl_communicator import nccl_available
 from .object_collectives import allgather_object, broadcast_object, broadcast_tree
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
+from .progress import set_progress
 from .report import report, set_reporter
 from .signature import agree_max
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
@@ -46,5 +47,5 @@ __all__ = [
     "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",
     "elastic", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "report", "round_id",
-    "set_reporter", "shutdown", "size",
+    "set_progress", "set_reporter", "shutdown", "size", "timeline",
 ]

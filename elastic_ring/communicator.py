@@ -23,6 +23,7 @@ import threading
 
 import torch
 
+from . import timeline
 from .errors import CommError
 from .ops import ReduceOp
 from .spec import RingSpec
@@ -59,6 +60,10 @@ class Communicator(abc.ABC):
     @property
     def errored(self) -> bool:
         return self._error is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def error(self) -> BaseException | None:
@@ -133,11 +138,14 @@ class Communicator(abc.ABC):
 
     def _guarded(self, fn, *args) -> Work:
         self.check_usable()
+        name = fn.__name__.lstrip("_")
+        event = timeline.begin_async(name, "collective", bytes=_bytes_of(args)) if timeline.is_enabled() else None
         try:
             work = fn(*args)
         except _BACKEND_FAILURES as exc:
+            timeline.end_async(event, name, "collective", failed=True)
             raise self.fail(exc) from exc
-        return _GuardedWork(self, work)
+        return _GuardedWork(self, work, event, name)
 
     @abc.abstractmethod
     def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, timeout_s: float) -> Work: ...
@@ -158,18 +166,32 @@ class Communicator(abc.ABC):
 class _GuardedWork(Work):
     """Turns a backend failure during ``wait`` into CommError and an abort."""
 
-    __slots__ = ("_comm", "_work")
+    __slots__ = ("_comm", "_work", "_event", "_name")
 
-    def __init__(self, comm: Communicator, work: Work) -> None:
+    def __init__(self, comm: Communicator, work: Work, event: int | None = None, name: str = "") -> None:
         self._comm = comm
         self._work = work
+        self._event, self._name = event, name  # timeline async event, ended by the first wait
 
     def wait(self) -> None:
-        self._comm.check_usable()
+        if self._comm.errored or self._comm.closed:
+            self._end(failed=True)
+            self._comm.check_usable()
         try:
             self._work.wait()
         except _BACKEND_FAILURES as exc:
+            self._end(failed=True)
             raise self._comm.fail(exc) from exc
+        self._end(failed=False)
+
+    def _end(self, failed: bool) -> None:
+        if self._event is not None:
+            timeline.end_async(self._event, self._name, "collective", failed=failed)
+            self._event = None
+
+
+def _bytes_of(args: tuple) -> int:
+    return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
 
 def _first_line(exc: BaseException) -> str:

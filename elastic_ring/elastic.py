@@ -23,7 +23,7 @@ import functools
 import time
 from typing import Any, Callable, Protocol
 
-from . import runtime
+from . import runtime, timeline
 from .errors import CommError, MembershipChanged
 from .log import get_logger
 from .spec import RingSpec
@@ -63,8 +63,9 @@ def _reform(reason: str) -> None:
             "ElasticTrainer(...).run(fn), or call elastic_ring.elastic.set_rendezvous(...) first"
         )
     started = time.monotonic()
-    spec = _rendezvous.next_ring(reason)
-    runtime.init(spec)
+    with timeline.span("reform", "membership", reason=reason):
+        spec = _rendezvous.next_ring(reason)
+        runtime.init(spec)
     _log.info("re-formed the ring after %s in %.3f s", reason, time.monotonic() - started)
 
 
@@ -84,10 +85,12 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 return func(state, *args, **kwargs)
             except CommError as exc:
                 _log.warning("collective failed (%s); rolling back to the last commit", exc)
+                timeline.instant("collective_failed", "membership", error=str(exc)[:200])
                 state.restore()
                 reason = "failure"
             except MembershipChanged:
                 _log.info("membership changes at this commit; re-forming without rolling back")
+                timeline.instant("membership_changed", "membership")
                 reason = "membership"
 
     return wrapper

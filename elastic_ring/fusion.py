@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from . import timeline
 from .compression import Compressor
 
 
@@ -120,19 +121,21 @@ class BufferPool:
 def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's tensors into ``buffer`` (casting to the wire dtype)."""
     members = [tensors[i] for i in bucket.indices]
-    if all(t.dtype == buffer.dtype for t in members):
-        torch.cat([t.reshape(-1) for t in members], out=buffer)
-    else:
-        for chunk, t in zip(buffer.split(bucket.numels), members):
-            chunk.copy_(t.reshape(-1))
+    with timeline.span("pack", "fusion", tensors=len(members), bytes=buffer.numel() * buffer.element_size()):
+        if all(t.dtype == buffer.dtype for t in members):
+            torch.cat([t.reshape(-1) for t in members], out=buffer)
+        else:
+            for chunk, t in zip(buffer.split(bucket.numels), members):
+                chunk.copy_(t.reshape(-1))
     return buffer
 
 
 def unpack_(bucket: Bucket, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy the reduced ``buffer`` back into the bucket's tensors (in place)."""
     members = [tensors[i] for i in bucket.indices]
-    chunks = [c.view(t.shape) for c, t in zip(buffer.split(bucket.numels), members)]
-    torch._foreach_copy_(members, chunks)
+    with timeline.span("unpack", "fusion", tensors=len(members), bytes=buffer.numel() * buffer.element_size()):
+        chunks = [c.view(t.shape) for c, t in zip(buffer.split(bucket.numels), members)]
+        torch._foreach_copy_(members, chunks)
 
 
 def unpack_views(bucket: Bucket, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

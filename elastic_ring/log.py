@@ -1,7 +1,7 @@
 """Logging with identity: every line carries ``[rank 2/4 round 7 step 130]``.
 
-The rank and round come from the current ring; the step is set by whoever
-drives training (the state layer) through :func:`set_step`. Nothing here
+The rank and round come from the current ring; the step from
+:mod:`elastic_ring.progress` (the state layer's sampler sets it). Nothing here
 configures handlers: applications decide where logs go.
 """
 
@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import logging
 
-_step: int | None = None
-
-
-def set_step(step: int | None) -> None:
-    """Record the training step that log lines of this process should show."""
-    global _step
-    _step = step
-
-
 def identity() -> str:
     """``[rank 2/4 round 7 step 130]``, or ``[no ring]`` before the first round."""
-    from . import runtime  # late: runtime imports this module
+    from . import progress, runtime  # late: runtime imports this module
 
     comm = runtime.current_or_none()
     if comm is None:
         text = "no ring"
     else:
         text = comm.spec.identity
-    if _step is not None:
-        text += f" step {_step}"
+    step = progress.current().get("step")
+    if step is not None:
+        text += f" step {step}"
     return f"[{text}]"
 
 

@@ -2,7 +2,9 @@
 
 The worker runtime installs a reporter that forwards rank 0's metrics to the
 driver (``ElasticTrainer``'s ``result.metrics`` and progress line). Without
-one, metrics are logged. Each report carries the rank, round and wall time.
+one, metrics are logged. Each report carries the rank, round, world size and
+wall time, and the step, epoch and samples of :mod:`elastic_ring.progress`
+unless the caller reports its own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import numbers
 import time
 from typing import Any, Callable
 
-from . import runtime
+from . import progress, runtime
 from .log import get_logger
 
 _log = get_logger(__name__)
@@ -34,7 +36,7 @@ def report(**metrics: Any) -> None:
                             "(use float(tensor) for a scalar tensor)")
     comm = runtime.current_or_none()
     record = {"time": time.time(), "rank": comm.rank if comm else 0, "round": comm.spec.round_id if comm else None,
-              "world_size": comm.size if comm else 1, **metrics}
+              "world_size": comm.size if comm else 1, **progress.current(), **metrics}
     if _reporter is None:
         _log.info("report %s", metrics)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ class TrainerConfig:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     runtime_env: dict[str, Any] | None = None
     progress: bool | None = None
+    timeline_path: str | None = None
 
     def __post_init__(self) -> None:
         _positive("min_workers", self.min_workers, integer=True)
@@ -91,6 +93,10 @@ class TrainerConfig:
             raise ValueError(f"ElasticTrainer runtime_env={self.runtime_env!r} must be a dict (Ray's runtime_env)")
         if self.progress is not None and not isinstance(self.progress, bool):
             raise ValueError(f"ElasticTrainer progress={self.progress!r} must be True, False or None (auto)")
+        if self.timeline_path is not None and not (isinstance(self.timeline_path, (str, os.PathLike))
+                                                   and str(self.timeline_path)):
+            raise ValueError(f"ElasticTrainer timeline_path={self.timeline_path!r} must be a file path, e.g. "
+                             "'timeline.json', or None")
 
     @property
     def worker_gpus(self) -> float:

@@ -9,7 +9,9 @@ two sides cannot drift apart:
   or ``STOP`` when the job is over for this worker;
 * ``heartbeat``: the worker's wall-clock time, refreshed by a thread;
 * ``metrics``: rank 0's ``er.report`` records, numbered from 1;
-* ``resumed``: the checkpoint info, when rank 0 resumed the job from a checkpoint.
+* ``resumed``: the checkpoint info, when rank 0 resumed the job from a checkpoint;
+* ``timeline``: batches of a worker's timeline events, numbered from 1
+  (only with ``ElasticTrainer(timeline_path=...)``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ class Keys:
 
     def metric(self, index: int) -> str:
         return f"{self.job}/metrics/{index}"
+
+    @property
+    def timeline_count(self) -> str:
+        return f"{self.job}/timeline/count"
+
+    def timeline(self, index: int) -> str:
+        return f"{self.job}/timeline/{index}"
 
     @property
     def resumed(self) -> str:

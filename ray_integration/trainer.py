@@ -22,15 +22,15 @@ from state import CheckpointConfig, CheckpointStore
 from .config import TrainerConfig
 from .driver import Driver, Failed, Finished, Stopped
 from .events import Event, EventLog
+from .progress import ProgressDisplay
 from .protocol import Keys
+from .timeline_file import TimelineFile
 from .worker_pool import WorkerPool
 
 _log = get_logger(__name__)
 
 #: Seconds between heartbeats of a worker (its timeout is heartbeat_timeout_s).
 HEARTBEAT_INTERVAL_S = 0.5
-#: Seconds between progress lines when output is not a terminal.
-PROGRESS_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -51,10 +51,17 @@ class ElasticTrainer:
             raise ValueError("ElasticTrainer use_gpu=True, but the Ray cluster has no GPUs; "
                              "set use_gpu=False or connect to a cluster with GPU nodes")
 
-    def run(self, fn: Callable[[dict], Any], config: dict | None = None) -> Result:
-        """Run ``fn(config)`` on every worker until rank 0 of the final ring returns."""
+    def run(self, fn: Callable[[dict], Any], config: dict | None = None,
+            on_report: Callable[[dict], None] | None = None) -> Result:
+        """Run ``fn(config)`` on every worker until rank 0 of the final ring returns.
+
+        ``on_report(record)``, if given, is called on the driver with each of rank 0's ``er.report``
+        records as it arrives (live logging, or reacting to progress); an exception in it ends the run.
+        """
         if not callable(fn):
             raise TypeError(f"ElasticTrainer.run expects a function fn(config), got {type(fn).__name__}")
+        if on_report is not None and not callable(on_report):
+            raise TypeError(f"ElasticTrainer.run on_report must be a function of one record, got {on_report!r}")
         if not ray.is_initialized():
             ray.init()
         self._check_cluster()
@@ -67,14 +74,19 @@ class ElasticTrainer:
             checkpoint = CheckpointConfig(self.config.checkpoint_uri, self.config.checkpoint_every_n_commits,
                                           self.config.checkpoint_every_s, self.config.checkpoint_keep_last)
         settings = {"ring_timeout_s": self.config.start_timeout_s + self.config.elastic_timeout_s,
-                    "checkpoint": checkpoint, "use_gpu": self.config.use_gpu}
+                    "checkpoint": checkpoint, "use_gpu": self.config.use_gpu,
+                    "timeline": self.config.timeline_path is not None}
         events = EventLog()
         pool = WorkerPool(self.config, store, host, keys, fn, config or {}, settings, HEARTBEAT_INTERVAL_S)
         driver = Driver(self.config, pool, host, events)
         metrics: list[dict] = []
-        progress = _Progress(self.config.progress)
+        progress = ProgressDisplay(self.config.progress)
+        timeline = TimelineFile(self.config.timeline_path) if self.config.timeline_path is not None else None
+        if timeline is not None:
+            timeline.check_writable()
 
         resumed: list[dict] = []
+        timeline_batches = [0]
 
         def on_tick(d: Driver) -> None:
             if not resumed and store.check([keys.resumed]):
@@ -85,7 +97,14 @@ class ElasticTrainer:
             count = int(store.add(keys.metrics_count, 0))
             while len(metrics) < count:
                 metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))
+                if on_report is not None:
+                    on_report(metrics[-1])
             progress.update(metrics, d.world_size)
+            if timeline is not None:
+                batches = int(store.add(keys.timeline_count, 0))
+                while timeline_batches[0] < batches:
+                    timeline_batches[0] += 1
+                    timeline.add_worker_events(*pickle.loads(store.get(keys.timeline(timeline_batches[0]))))
 
         # Demand the autoscaler can see: max_workers worker bundles while the job runs.
         bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
@@ -97,8 +116,13 @@ class ElasticTrainer:
         try:
             final = driver.run(on_tick)
             on_tick(driver)
+            if isinstance(final, Finished):
+                events.add("finished", driver.round_id, driver.world_size)
         finally:
+            progress.close()
             pool.shutdown()
+            if timeline is not None:
+                _log.info("timeline written to %s", timeline.write(events.events))
             request_resources(bundles=[])  # cancel the demand, also on failure
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
@@ -113,25 +137,7 @@ class ElasticTrainer:
                   flush=True)
             raise SystemExit(0)
         assert isinstance(final, Finished)
-        events.add("finished", driver.round_id, driver.world_size)
         newest = None
         if self.config.checkpoint_uri is not None:
             newest = CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
         return Result(value=final.value, metrics=metrics, events=list(events.events), checkpoint=newest)
-
-
-class _Progress:
-    """One progress line every few seconds from rank 0's metrics (off with progress=False)."""
-
-    def __init__(self, enabled: bool | None) -> None:
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.last = 0.0
-
-    def update(self, metrics: list[dict], world_size: int | None) -> None:
-        if not self.enabled or not metrics or time.monotonic() - self.last < PROGRESS_INTERVAL_S:
-            return
-        self.last = time.monotonic()
-        m = metrics[-1]
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()
-                         if k not in ("time", "rank", "round", "world_size"))
-        print(f"[elastic_ring] round {m.get('round')} world {world_size} {shown}", file=sys.stderr, flush=True)

@@ -83,6 +83,16 @@ class RingWorker:
         store = dist.TCPStore(self._store.host, self._store.port, is_master=False, wait_for_workers=False)
         while not self._stop.wait(self._heartbeat_interval_s):
             store.set(self._keys.heartbeat(self.worker_id), str(time.time()))
+            self._flush_timeline(store)
+
+    def _flush_timeline(self, store: dist.Store) -> None:
+        """Send the timeline events recorded since the last flush to the driver."""
+        if not er.timeline.is_enabled():
+            return
+        events, dropped = er.timeline.drain()
+        if events or dropped:
+            index = store.add(self._keys.timeline_count, 1)
+            store.set(self._keys.timeline(index), pickle.dumps((self.worker_id, self.hostname, events, dropped)))
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "node_id": self.node_id, "hostname": self.hostname,
@@ -99,6 +109,9 @@ class RingWorker:
         er.set_reporter(self._report)
         state_pkg.set_default_checkpointing(settings.get("checkpoint"))
         state_pkg.set_resume_listener(lambda info: self._store.set(self._keys.resumed, pickle.dumps(info)))
+        er.progress.clear()
+        if settings.get("timeline"):
+            er.timeline.enable()
         if settings.get("use_gpu"):
             import torch
 
@@ -112,6 +125,7 @@ class RingWorker:
             raise WorkerError(self.worker_id, rank, self.node_id, self.hostname, traceback.format_exc()) from None
         finally:
             er.shutdown()
+            self._flush_timeline(self._store)
 
     def request_membership_change(self, persist: bool = False) -> None:
         state_pkg.request_membership_change(persist)

@@ -19,8 +19,10 @@ Use it as a DataLoader's ``batch_sampler`` and record each batch after training 
             state.sampler.set_epoch(state.epoch)
             state.commit()
 
-Its state is tiny: ``epoch`` and ``processed`` (how many positions of the
-epoch's permutation are done). After a restore or a resize the rest of the
+Its state is tiny: ``epoch``, ``processed`` (how many positions of the
+epoch's permutation are done) and ``step`` (batches the ring recorded since the
+job began). It publishes them as this process's progress
+(:func:`elastic_ring.set_progress`: log lines and ``er.report`` records). After a restore or a resize the rest of the
 epoch is re-partitioned over the new ring (see :mod:`state.sampler_layout`).
 Every rank gets the same number of batches; the last batch of an epoch can be
 larger than ``batch_size`` (the tail is folded into it), and it is empty on
@@ -52,6 +54,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.epoch = 0
         self.processed = 0
+        self.step = 0
         self.reset()
 
     # ------------------------------------------------------------ layout
@@ -69,6 +72,10 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._base = self.processed
         self._steps_done = 0
         self._sizes = step_sizes(self.num_samples - self._base, self._world, self.batch_size)
+        self._publish()
+
+    def _publish(self) -> None:
+        er.set_progress(step=self.step, epoch=self.epoch, samples=self.epoch * self.num_samples + self.processed)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning."""
@@ -85,6 +92,8 @@ class ElasticSampler(torch.utils.data.Sampler):
             )
         self.processed += self._sizes[self._steps_done]
         self._steps_done += 1
+        self.step += 1
+        self._publish()
 
     @property
     def steps_recorded(self) -> int:
@@ -111,7 +120,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "processed": self.processed, "num_samples": self.num_samples,
+        return {"epoch": self.epoch, "processed": self.processed, "step": self.step, "num_samples": self.num_samples,
                 "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
@@ -123,4 +132,5 @@ class ElasticSampler(torch.utils.data.Sampler):
             )
         self.epoch = state["epoch"]
         self.processed = state["processed"]
+        self.step = state.get("step", 0)
         self.reset(self._rank, self._world)  # the partition follows the ring only in reset() (on re-forming)

@@ -100,10 +100,11 @@ class State:
 
     def commit(self) -> None:
         """Snapshot the state, persist it if due, and check for a membership change."""
-        self._save()
-        object.__setattr__(self, "_commits", self._commits + 1)
-        self._maybe_persist()
-        self.check_membership()
+        with er.timeline.span("commit", "state", commit=self._commits + 1):
+            self._save()
+            object.__setattr__(self, "_commits", self._commits + 1)
+            self._maybe_persist()
+            self.check_membership()
 
     def check_membership(self) -> None:
         """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
@@ -129,28 +130,30 @@ class State:
 
     def restore(self) -> None:
         """Put back the last commit."""
-        if self._snapshot is None:
-            raise RuntimeError("restore() before any commit or sync: there is nothing to restore to")
-        for name, handler in self._handlers.items():
-            handler.restore(self._snapshot[name])
+        with er.timeline.span("restore", "state"):
+            if self._snapshot is None:
+                raise RuntimeError("restore() before any commit or sync: there is nothing to restore to")
+            for name, handler in self._handlers.items():
+                handler.restore(self._snapshot[name])
 
     # ------------------------------------------------------------ sync / reset
     def sync(self, root_rank: int = 0) -> None:
         """Give every rank root's state (resuming from a checkpoint on the job's first sync)."""
-        if not self._synced:
-            object.__setattr__(self, "_synced", True)
-            if self._checkpoint is not None and er.rank() == root_rank:
-                self._resume()
-        names = er.broadcast_object(self.names, root_rank, name="State.sync names")
-        if names != self.names:
-            raise ValueError(f"rank {er.rank()} holds state values {self.names}, root holds {names}; "
-                             "build the same TorchState on every rank")
-        tree = er.broadcast_tree({n: h.to_tree() for n, h in self._handlers.items()} if er.rank() == root_rank else None,
-                                 root_rank, name="State.sync")
-        if er.rank() != root_rank:
-            for name, handler in self._handlers.items():
-                handler.load_tree(tree[name])
-        self._save()
+        with er.timeline.span("sync", "state", root=root_rank):
+            if not self._synced:
+                object.__setattr__(self, "_synced", True)
+                if self._checkpoint is not None and er.rank() == root_rank:
+                    self._resume()
+            names = er.broadcast_object(self.names, root_rank, name="State.sync names")
+            if names != self.names:
+                raise ValueError(f"rank {er.rank()} holds state values {self.names}, root holds {names}; "
+                                 "build the same TorchState on every rank")
+            tree = er.broadcast_tree({n: h.to_tree() for n, h in self._handlers.items()} if er.rank() == root_rank else None,
+                                     root_rank, name="State.sync")
+            if er.rank() != root_rank:
+                for name, handler in self._handlers.items():
+                    handler.load_tree(tree[name])
+            self._save()
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callbacks run after every re-forming of the ring (e.g. rescale the LR to the new size)."""

@@ -119,7 +119,7 @@ def test_exactly_once_over_resizes_and_rollbacks(n, batch, ops, worlds):
 
 def test_state_dict_is_tiny_and_checked():
     s = ElasticSampler(1000, batch_size=8, seed=3)
-    assert set(s.state_dict()) == {"epoch", "processed", "num_samples", "seed", "shuffle"}
+    assert set(s.state_dict()) == {"epoch", "processed", "step", "num_samples", "seed", "shuffle"}
     with pytest.raises(ValueError, match="dataset of 1000 samples"):
         ElasticSampler(999, batch_size=8, seed=3).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="batch_size=0"):
@@ -132,3 +132,30 @@ def test_record_past_the_end_says_what_to_do():
         s.record_batch()
     with pytest.raises(RuntimeError, match="set_epoch"):
         s.record_batch()
+
+
+def test_sampler_publishes_progress_for_logs_and_reports():
+    import elastic_ring as er
+    from elastic_ring import progress
+    from elastic_ring.log import identity
+
+    s = ElasticSampler(100, batch_size=10, seed=0)
+    for _ in range(3):
+        s.record_batch()
+    assert progress.current() == {"step": 3, "epoch": 0, "samples": 30}
+    assert identity() == "[no ring step 3]"
+    saved = s.state_dict()
+    s.set_epoch(1)
+    s.record_batch()
+    assert progress.current() == {"step": 4, "epoch": 1, "samples": 110}
+    s.load_state_dict(saved)  # a restore puts the committed position back
+    assert progress.current() == {"step": 3, "epoch": 0, "samples": 30}
+    records = []
+    er.set_reporter(records.append)
+    try:
+        er.report(loss=0.5)
+    finally:
+        er.set_reporter(None)
+    assert records[0]["step"] == 3 and records[0]["samples"] == 30 and records[0]["loss"] == 0.5
+    with pytest.raises(ValueError, match="step=-1"):
+        er.set_progress(step=-1)

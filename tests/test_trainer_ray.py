@@ -2,6 +2,7 @@
 worker, a user exception, and bad settings. Every run checks the exact invariant: each sample seen
 once per epoch in committed work, identical parameters on all ranks, the expected committed steps."""
 
+import json
 import time
 
 import pytest
@@ -28,8 +29,9 @@ def test_training_reports_metrics_and_events(ray_session):
     assert result.checkpoint is None
 
 
-def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session):
-    result = ElasticTrainer(min_workers=2, max_workers=3, progress=False).run(
+def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session, tmp_path):
+    timeline_path = tmp_path / "timeline.json"
+    result = ElasticTrainer(min_workers=2, max_workers=3, progress=False, timeline_path=str(timeline_path)).run(
         ray_jobs.train, config={"epochs": 6, "faults": [(1, 2, 3, "kill")], "step_delay_s": 0.15})
     check_invariant(result, 6)
     k = kinds(result)
@@ -38,6 +40,30 @@ def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session)
     assert recovered.world_size == 2 and recovered.detail["seconds"] < 1.0
     # the replacement was started in the background and joined at a commit, without a rollback
     assert "worker_joined" in k and "resized" in k, k
+    check_timeline(timeline_path, result)
+
+
+def check_timeline(path, result):
+    """The Chrome trace is valid JSON with every worker's fusion, collective, state and membership
+    events, identity in their args, and the driver's membership history."""
+    trace = json.loads(path.read_text())["traceEvents"]
+    workers = {e["pid"] for e in trace if e["pid"] != 0 and e["ph"] != "M"}
+    assert len(workers) >= 4, workers  # three first members and the replacement
+    names = {(e["cat"], e["name"]) for e in trace if e["ph"] != "M"}
+    for expected in [("fusion", "pack"), ("fusion", "unpack"), ("collective", "allreduce"),
+                     ("collective", "broadcast"), ("state", "commit"), ("state", "sync"), ("state", "restore"),
+                     ("membership", "reform"), ("membership", "collective_failed"),
+                     ("membership", "membership_changed"), ("membership", "worker_lost"),
+                     ("membership", "worker_joined"), ("membership", "ring_formed")]:
+        assert expected in names, (expected, sorted(names))
+    for e in trace:
+        assert {"name", "ph", "pid"} <= set(e) and (e["ph"] == "M" or isinstance(e["ts"], float)), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and {"rank", "world", "round"} <= set(e["args"]), e
+    commits = [e for e in trace if e["name"] == "commit"]
+    assert max(e["args"]["step"] for e in commits) == result.value["step"]
+    labels = [e["args"]["name"] for e in trace if e["name"] == "process_name"]
+    assert labels[0] == "driver (membership)" and all("ranks" in label for label in labels[1:]), labels
     assert result.value["world"] == 3
 
 
