@@ -32,6 +32,9 @@ _log = get_logger(__name__)
 
 
 class ElasticState(Protocol):
+    """What the loop needs of a state. It may also have a ``committed`` attribute: False while
+    the process holds no commit yet (then a failure has nothing to roll back on this rank)."""
+
     def sync(self) -> None: ...
 
     def restore(self) -> None: ...
@@ -46,6 +49,9 @@ class Rendezvous(Protocol):
         """Block until the next ring is decided; ``reason`` is ``"start"``, ``"failure"`` or ``"membership"``."""
         ...
 
+    # Optional: ``synced()``, called after every completed ``state.sync()``; a driver uses it to
+    # pick the next ring's root among ranks that hold the committed state.
+
 
 _rendezvous: Rendezvous | None = None
 
@@ -54,6 +60,14 @@ def set_rendezvous(rendezvous: Rendezvous | None) -> None:
     """Install how this process obtains its next ring (the worker runtime or a test does this)."""
     global _rendezvous
     _rendezvous = rendezvous
+
+
+def _notify(what: str) -> None:
+    """Tell the rendezvous (if it listens) that this rank now holds the ring's committed state
+    ("synced"), so that a driver picks the next ring's root among ranks that do."""
+    listener = getattr(_rendezvous, what, None)
+    if listener is not None:
+        listener()
 
 
 def _reform(reason: str) -> None:
@@ -82,11 +96,16 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     state.on_reset()
                     reason = None
                 state.sync()
+                _notify("synced")
                 return func(state, *args, **kwargs)
             except CommError as exc:
-                _log.warning("collective failed (%s); rolling back to the last commit", exc)
                 timeline.instant("collective_failed", "membership", error=str(exc)[:200])
-                state.restore()
+                if getattr(state, "committed", True):
+                    _log.warning("collective failed (%s); rolling back to the last commit", exc)
+                    state.restore()
+                else:  # a joiner whose first sync failed: a survivor gives it the state at the next sync
+                    _log.warning("collective failed (%s) before this rank held any committed state; "
+                                 "it receives the state at the next sync", exc)
                 reason = "failure"
             except MembershipChanged:
                 _log.info("membership changes at this commit; re-forming without rolling back")

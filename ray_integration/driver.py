@@ -199,6 +199,11 @@ class Reforming(DriverState):
             decision = policies.after_failure(d.failures, d.config.max_failures)
             if decision.give_up:
                 return Failed(RunFailed(decision.message))
+        if members and not any(r.has_state for r in members) and any(r.has_state for r in d.pool.records.values()):
+            return Failed(RunFailed(
+                "every worker that held the job's committed state was lost at once (the rest had just joined "
+                "and not yet received it); nothing in memory can be rolled back to. With checkpoint_uri set, "
+                "run the same script again to resume from the newest checkpoint"))
         joiners = d.joiners()
         if len(members) + len(joiners) < d.config.min_workers:
             d.pool.request(policies.workers_to_request(len(d.pool.live()), d.config.max_workers))
@@ -240,7 +245,7 @@ class Driver:
     def joiners(self) -> list[WorkerRecord]:
         """Fully started workers waiting for their first ring, not on a draining node, oldest first."""
         member_ids = set(self.ring.worker_ids) if self.ring else set()
-        ready = [r for r in self.pool.live() if r.waiting and r.worker_id not in member_ids and not r.has_state
+        ready = [r for r in self.pool.live() if r.waiting and r.worker_id not in member_ids and not r.in_ring
                  and r.node_id not in self.draining]
         return sorted(ready, key=lambda r: r.joined_seq)
 
@@ -271,7 +276,7 @@ class Driver:
                                job_id=self.pool.keys.job, collective_timeout_s=self.config.collective_timeout_s,
                                connect_timeout_s=self.config.elastic_timeout_s,
                                bind_host=record.info.get("node_ip") if record.info else None)
-            was_member = record.has_state
+            was_member = record.in_ring
             self.pool.answer(record, spec)
             if not was_member and reason != "start":
                 self.events.add("worker_joined", self.round_id, self.ring.world_size, worker=worker_id, node=record.node_id)

@@ -8,6 +8,8 @@ two sides cannot drift apart:
 * ``ring``: the driver's answer for that generation: a pickled ``RingSpec``,
   or ``STOP`` when the job is over for this worker;
 * ``heartbeat``: the worker's wall-clock time, refreshed by a thread;
+* ``synced``: set once the worker completed a sync (it holds the ring's
+  committed state from then on, so it may be the next ring's root);
 * ``metrics``: rank 0's ``er.report`` records, numbered from 1;
 * ``resumed``: the checkpoint info, when rank 0 resumed the job from a checkpoint;
 * ``timeline``: batches of a worker's timeline events, numbered from 1
@@ -28,6 +30,9 @@ class Keys:
 
     def ring(self, worker_id: str, generation: int) -> str:
         return f"{self.job}/w/{worker_id}/ring/{generation}"
+
+    def synced(self, worker_id: str) -> str:
+        return f"{self.job}/w/{worker_id}/synced"
 
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.job}/w/{worker_id}/heartbeat"

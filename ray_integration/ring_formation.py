@@ -22,7 +22,7 @@ class Member:
     worker_id: str
     node_id: str
     joined_seq: int       # order in which workers became ready: smaller is older
-    has_state: bool       # True once it has trained in a round (holds committed state)
+    has_state: bool       # True once it completed a sync (holds the committed state)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class StoreRendezvous:
     def __init__(self, store: dist.Store, keys: Keys, worker_id: str, timeout_s: float) -> None:
         self._store, self._keys, self._id, self._timeout_s = store, keys, worker_id, timeout_s
         self.generation = 0
+        self._synced = False
 
     def next_ring(self, reason: str) -> er.RingSpec:
         self.generation += 1
@@ -61,6 +62,12 @@ class StoreRendezvous:
         if answer == STOP:
             raise JobStopped(f"worker {self._id}: the driver ended the job")
         return pickle.loads(answer)
+
+    def synced(self) -> None:
+        """This worker holds the ring's committed state (the driver may make it a root)."""
+        if not self._synced:
+            self._synced = True
+            self._store.set(self._keys.synced(self._id), "1")
 
 
 class RingWorker:

@@ -34,10 +34,11 @@ class WorkerRecord:
     created_at: float
     info: dict | None = None
     joined_seq: int | None = None   # order in which it became ready (asked for its first ring)
-    has_state: bool = False         # has trained in a ring
+    has_state: bool = False         # completed a sync: holds the ring's committed state
     generation: int = 0             # the generation it last asked a ring for
     reason: str | None = None
     answered: int = 0               # the generation the driver last answered
+    in_ring: bool = False           # has been given a ring
     dead: bool = False
     cause: str | None = None
     finished: bool = False
@@ -83,7 +84,7 @@ class WorkerPool:
     def answer(self, record: WorkerRecord, spec: er.RingSpec) -> None:
         self.store.set(self.keys.ring(record.worker_id, record.generation), pickle.dumps(spec))
         record.answered = record.generation
-        record.has_state = True
+        record.in_ring = True
 
     def stop_waiting(self) -> None:
         for record in self.live():
@@ -155,6 +156,8 @@ class WorkerPool:
                     record.generation, record.reason = generation, reason
                     if record.joined_seq is None:
                         record.joined_seq = next(self._ready_seq)
+            if not record.has_state and self.store.check([self.keys.synced(record.worker_id)]):
+                record.has_state = True
             heartbeat_key = self.keys.heartbeat(record.worker_id)
             if self.store.check([heartbeat_key]):
                 silent_s = now - float(self.store.get(heartbeat_key))

@@ -128,6 +128,11 @@ class State:
             raise membership.TrainingStopped("the job was asked to stop; this commit is the last")
         raise er.MembershipChanged("the ring's membership changes at this commit")
 
+    @property
+    def committed(self) -> bool:
+        """True once this process holds a commit (its own, or one received by ``sync``)."""
+        return self._snapshot is not None
+
     def restore(self) -> None:
         """Put back the last commit."""
         with er.timeline.span("restore", "state"):
