@@ -120,7 +120,9 @@ class WorkerPool:
 
     # ------------------------------------------------------------ observation
     def live(self) -> list[WorkerRecord]:
-        return [r for r in self.records.values() if not r.dead]
+        """Workers starting or in the job: not dead and not finished (a worker that left a draining
+        node has finished and no longer counts against max_workers)."""
+        return [r for r in self.records.values() if not r.dead and not r.finished]
 
     def poll(self) -> None:
         """Bring every record up to date: started, asking for a ring, finished, dead, silent."""
@@ -136,6 +138,8 @@ class WorkerPool:
                 try:
                     record.value = ray.get(record.run_ref)
                     record.finished = True
+                    if record.leaving:  # it left its draining node: free the slot at once
+                        ray.kill(record.actor, no_restart=True)
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, WorkerError):

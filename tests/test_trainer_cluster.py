@@ -30,12 +30,12 @@ def add_slot_node(cluster):
     return cluster.add_node(num_cpus=1, resources={"slot": 1})
 
 
-def run_in_thread(trainer, config):
+def run_in_thread(trainer, config, fn=ray_jobs.train):
     box = {}
 
     def target():
         try:
-            box["result"] = trainer.run(ray_jobs.train, config=config)
+            box["result"] = trainer.run(fn, config=config)
         except BaseException as exc:  # handed to the test thread
             box["error"] = exc
 
@@ -61,7 +61,7 @@ def test_node_removed_then_node_added(cluster, tmp_path):
     progress = tmp_path / "progress"
     trainer = ElasticTrainer(min_workers=2, max_workers=3, resources_per_worker={"slot": 1}, cpus_per_worker=1,
                              heartbeat_timeout_s=5, progress=False)
-    thread, box = run_in_thread(trainer, {"epochs": 10, "step_delay_s": 0.1, "progress_file": str(progress)})
+    thread, box = run_in_thread(trainer, {"epochs": 16, "step_delay_s": 0.1, "progress_file": str(progress)})
     wait_for_step(progress, 3)
     cluster.remove_node(nodes[2], allow_graceful=False)       # a whole node goes away
     _, world = wait_for_step(progress, 12)
@@ -73,7 +73,7 @@ def test_node_removed_then_node_added(cluster, tmp_path):
     kinds = [e.kind for e in result.events]
     assert "worker_lost" in kinds and "recovered" in kinds and "worker_joined" in kinds, kinds
     assert result.value["world"] == 3
-    assert result.value["identical"] and result.value["seen"] == [10.0] * ray_jobs.N_SAMPLES
+    assert result.value["identical"] and result.value["seen"] == [16.0] * ray_jobs.N_SAMPLES
 
 
 def test_below_min_workers_waits_for_capacity_then_fails_clearly(cluster, tmp_path):

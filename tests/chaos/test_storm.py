@@ -1,0 +1,99 @@
+"""The chaos suite: a seeded storm of failures and membership changes on a local multi-node
+cluster, after which the model must equal its closed-form value exactly on every rank.
+
+CI runs the fast storm (3 events). The long storm (9 events: every kind at least once)
+runs with ``python -m pytest -m slow tests/chaos``.
+"""
+
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from ray_integration import ElasticTrainer
+from tests.chaos import invariant_job, storm
+from tests.conftest import ray_runtime_env
+from tests.test_trainer_cluster import drain, run_in_thread
+
+
+@pytest.fixture
+def slot_cluster():
+    if ray.is_initialized():
+        ray.shutdown()  # leave the shared local instance; the next test restarts it
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [c.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(storm.MAX_WORKERS)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, runtime_env=ray_runtime_env(), log_to_driver=False)
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.mark.parametrize("seed,count", [(7, 3)])
+def test_schedule_is_a_pure_function_of_the_seed(seed, count):
+    assert storm.schedule(seed, count) == storm.schedule(seed, count)
+
+
+def test_schedule_keeps_capacity_and_covers_every_kind():
+    for seed in range(20):
+        events = storm.schedule(seed, 9)
+        assert {e.kind for e in events} == set(storm.ALL_KINDS), seed
+        capacity = storm.MAX_WORKERS
+        for e in events:
+            capacity += {"node_removed": -1, "node_drained": -1, "node_added": 1}.get(e.kind, 0)
+            assert storm.MIN_CAPACITY <= capacity <= storm.MAX_WORKERS
+            assert e.rank != e.helper_rank and (e.kind != "kill_in_sync" or e.rank == 0)
+
+
+def run_storm(slot_cluster, tmp_path, seed: int, count: int, time_bound_s: float):
+    cluster, nodes = slot_cluster
+    events = storm.schedule(seed, count)
+    controller = storm.StormController(cluster, nodes, str(tmp_path), drain)
+    trainer = ElasticTrainer(min_workers=2, max_workers=storm.MAX_WORKERS, resources_per_worker={"slot": 1},
+                             cpus_per_worker=1, heartbeat_timeout_s=3, max_failures=50, progress=False)
+    started = time.monotonic()
+    thread, box = run_in_thread_of(trainer, {"chaos_dir": str(tmp_path)})
+    storm_error = None
+    try:
+        controller.run(events, thread.is_alive)
+    except TimeoutError as exc:
+        storm_error = exc
+    finally:
+        (tmp_path / "stop").touch()
+        thread.join(120)
+    elapsed = time.monotonic() - started
+    assert not thread.is_alive() and "error" not in box, (box.get("error"), controller.log)
+    result = box["result"]
+    if storm_error is not None:
+        pytest.fail(f"{storm_error}\nevents: " + "\n".join(f"{e.kind} r{e.round_id} w{e.world_size} {e.detail}"
+                                                           for e in result.events))
+    value, kinds = result.value, [e.kind for e in result.events]
+    # the exact invariant, on every rank of the final ring
+    assert value["exact"], (value["w"], invariant_job.expected_w(value["epochs"]).tolist(), controller.log)
+    assert value["identical"] and value["seen"] == [float(value["epochs"])] * invariant_job.N_SAMPLES
+    # every event is in the record
+    assert kinds.count("worker_lost") == storm.expected_losses(events), (kinds, controller.log)
+    assert kinds.count("node_draining") == sum(e.kind == "node_drained" for e in events), kinds
+    assert kinds.count("worker_joined") >= sum(e.kind == "node_added" for e in events), kinds
+    recoveries = [e.detail["seconds"] for e in result.events if e.kind == "recovered"]
+    assert elapsed < time_bound_s, (elapsed, controller.log)
+    print(f"storm seed={seed}: {len(events)} events {[e.kind for e in events]}, {kinds.count('worker_lost')} "
+          f"workers lost, {len(recoveries)} recoveries, max recovery {max(recoveries, default=0):.3f} s, "
+          f"{value['epochs']} epochs, invariant exact on {value['world']} ranks, {elapsed:.0f} s")
+    return result
+
+
+def run_in_thread_of(trainer, config):
+    return run_in_thread(trainer, config, fn=invariant_job.train)
+
+
+def test_fast_storm(slot_cluster, tmp_path):
+    run_storm(slot_cluster, tmp_path, seed=2, count=3, time_bound_s=150)  # node_removed, kill_in_sync, kill_in_reform
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_long_storm(slot_cluster, tmp_path, seed):
+    run_storm(slot_cluster, tmp_path, seed=seed, count=9, time_bound_s=400)
