@@ -32,6 +32,11 @@ DRAIN_POLL_S = 0.5
 #: ring nor heartbeats for this many heartbeat intervals is presumed dead (a lost node
 #: can take Ray many seconds to declare), without waiting for heartbeat_timeout_s.
 SUSPECT_AFTER_INTERVALS = 3
+#: A member that heartbeats but has not reached the rendezvous this long after collective_timeout_s
+#: (counted from its peers' failure) is stuck in user code, and is killed with that cause.
+HUNG_GRACE_S = 2.0
+#: Joiners waiting this long without the ring reaching a commit get a warning event: fn must commit.
+COMMIT_OVERDUE_S = 30.0
 
 
 class RunFailed(RuntimeError):
@@ -106,6 +111,8 @@ class Starting(DriverState):
 class Running(DriverState):
     def __init__(self) -> None:
         self.change_requested = False
+        self.change_requested_at = 0.0
+        self.overdue_reported = False
         self.last_drain_poll = 0.0
         self.stop_sent_at: float | None = None
 
@@ -144,6 +151,7 @@ class Running(DriverState):
         persist = policies.persist_before_leaving(staying, d.config.min_workers)
         d.pool.notify_membership_change([r for r in members if not r.dead], persist=persist)
         self.change_requested = True
+        self.change_requested_at = time.monotonic()
 
     def step(self, d: "Driver") -> DriverState:
         failed = _user_error(d)
@@ -160,8 +168,15 @@ class Running(DriverState):
             return Reforming("failure")
         if any(r.waiting and r.reason == "membership" for r in members):
             return Reforming("membership")
+        if self.change_requested and not self.overdue_reported and \
+                time.monotonic() - self.change_requested_at > COMMIT_OVERDUE_S:
+            self.overdue_reported = True
+            d.events.add("commit_overdue", d.round_id, d.world_size, waited_s=COMMIT_OVERDUE_S,
+                         advice="workers wait to join, but the ring has not reached a state.commit(); call "
+                                "state.commit() every few steps (joins, drains and stops happen only at commits)")
         if policies.should_grow(len(members), len(d.joiners()), d.config.max_workers, self.change_requested):
             self.change_requested = True
+            self.change_requested_at = time.monotonic()
             d.events.add("membership_change_requested", d.round_id, d.world_size, joiners=[r.worker_id for r in d.joiners()])
             d.pool.notify_membership_change(members)
         d.pool.request(policies.workers_to_request(len(d.pool.live()), d.config.max_workers))
@@ -184,6 +199,11 @@ class Reforming(DriverState):
             for r in members:
                 if not r.waiting and r.silent_s > SUSPECT_AFTER_INTERVALS * d.pool.heartbeat_interval_s:
                     d.pool.kill(r, f"silent for {r.silent_s:.1f} s while its peers reported a failure")
+                elif not r.waiting and time.monotonic() - self.since > d.config.collective_timeout_s + HUNG_GRACE_S:
+                    d.pool.kill(r, f"stuck in user code: its heartbeats arrive, but it did not reach the rendezvous "
+                                   f"within collective_timeout_s={d.config.collective_timeout_s} s + {HUNG_GRACE_S} s "
+                                   "after its peers' collective failed (a hang or deadlock in fn, or a collective "
+                                   "called on only some ranks)")
         d.report_lost()
         alive = [r for r in d.members() if not r.dead]
         members = [r for r in alive if not r.leaving]

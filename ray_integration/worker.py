@@ -124,7 +124,7 @@ class RingWorker:
 
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         try:
-            return fn(config)
+            value = fn(config)
         except (JobStopped, state_pkg.TrainingStopped):
             return None
         except Exception:
@@ -133,6 +133,16 @@ class RingWorker:
         finally:
             er.shutdown()
             self._flush_timeline(self._store)
+        try:
+            import ray.cloudpickle
+
+            ray.cloudpickle.dumps(value)
+        except Exception as exc:  # any pickling failure: tell the user what to return instead
+            raise WorkerError(self.worker_id, None, self.node_id, self.hostname,
+                              f"fn returned a {type(value).__name__} that cannot be pickled ({exc}); return plain "
+                              "data (numbers, strings, lists, dicts, CPU tensors), e.g. a state_dict instead of "
+                              "an object holding locks, files or sockets") from None
+        return value
 
     def request_membership_change(self, persist: bool = False) -> None:
         state_pkg.request_membership_change(persist)

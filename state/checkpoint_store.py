@@ -110,7 +110,11 @@ class CheckpointStore:
                 self._write_atomic(f"{directory}/MANIFEST.json", json.dumps(manifest, indent=1).encode())
                 self._prune(seq)
         except OSError as exc:
-            raise CheckpointError(f"writing a checkpoint under {self.uri} failed: {exc}") from exc
+            newest = self.complete()
+            previous = f"checkpoint {newest[-1]} is still the newest" if newest else "there is no earlier checkpoint"
+            raise CheckpointError(f"writing a checkpoint under {self.uri} failed: {exc}; {previous} (a torn write is "
+                                  "never loaded). Free space or fix permissions there, or set another "
+                                  "checkpoint_uri") from exc
         return self._url(directory)
 
     def _prune(self, newest: int) -> None:
