@@ -14,14 +14,15 @@ from ray.cluster_utils import Cluster
 from ray_integration import ElasticTrainer
 from tests.chaos import invariant_job, storm
 from tests.conftest import ray_runtime_env
-from tests.test_trainer_cluster import drain, run_in_thread
+from tests.test_trainer_cluster import FAST_NODE_DEATH, drain, run_in_thread
 
 
 @pytest.fixture
 def slot_cluster():
     if ray.is_initialized():
         ray.shutdown()  # leave the shared local instance; the next test restarts it
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                      "_system_config": FAST_NODE_DEATH})
     nodes = [c.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(storm.MAX_WORKERS)]
     c.wait_for_nodes()
     ray.init(address=c.address, runtime_env=ray_runtime_env(), log_to_driver=False)
