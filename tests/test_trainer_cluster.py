@@ -63,6 +63,7 @@ def wait_for_step(progress: pathlib.Path, step: int, timeout_s: float = 60, worl
     raise TimeoutError(f"training did not reach step {step} (world {world}) within {timeout_s} s")
 
 
+@pytest.mark.slow  # CI covers node removal and addition in tests/chaos (the fast storm)
 def test_node_removed_then_node_added(cluster, tmp_path):
     nodes = [add_slot_node(cluster) for _ in range(3)]
     cluster.wait_for_nodes()

@@ -26,7 +26,7 @@ while ray.cluster_resources().get("slot", 0) < 1:
     time.sleep(0.5)
 result = ElasticTrainer(min_workers=1, max_workers=3, resources_per_worker={"slot": 1}, cpus_per_worker=1,
                         start_timeout_s=120, progress=False).run(
-    ray_jobs.train, config={"epochs": 25, "step_delay_s": 0.05, "batch": 1})
+    ray_jobs.train, config={"epochs": 18, "step_delay_s": 0.05, "batch": 1})
 print("RESULT " + json.dumps({"world": result.value["world"], "identical": result.value["identical"],
                               "seen": result.value["seen"],
                               "worlds": sorted({e.world_size for e in result.events if e.kind == "ring_formed"}),
