@@ -12,7 +12,7 @@ This package knows nothing of Ray or of training state. It offers:
   back) and :class:`MembershipChanged` (re-form without rolling back).
 """
 
-from . import elastic, progress, timeline
+from . import auth, elastic, progress, timeline
 from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
     allgather,
@@ -27,7 +27,10 @@ from .collectives import (
 )
 from .communicator import Communicator, Work
 from .compression import Compression, Compressor
-from .errors import CommError, ElasticRingError, MembershipChanged, NotInitializedError, TensorMismatchError
+from .errors import (
+    AuthenticationError, CommError, ElasticRingError, MembershipChanged, NotInitializedError, RendezvousError, RingStopped,
+    TensorMismatchError,
+)
 from .nccl_communicator import nccl_available
 from .object_collectives import allgather_object, broadcast_object, broadcast_tree
 from .ops import Average, Max, Min, ReduceOp, Sum
@@ -37,14 +40,15 @@ from .report import report, set_reporter
 from .signature import agree_max
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
 from .spec import RingSpec, StoreAddress
+from .store import StoreServer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Average", "CommError", "Communicator", "Compression", "Compressor", "DistributedOptimizer",
-    "ElasticRingError", "Max", "MembershipChanged", "Min", "NotInitializedError", "ReduceOp", "RingSpec",
-    "StoreAddress", "Sum", "TensorMismatchError", "Work", "agree_max", "allgather", "allgather_object", "allreduce",
-    "allreduce_", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
+    "AuthenticationError", "Average", "CommError", "Communicator", "Compression", "Compressor", "DistributedOptimizer",
+    "ElasticRingError", "Max", "MembershipChanged", "Min", "NotInitializedError", "ReduceOp", "RendezvousError", "RingSpec", "RingStopped",
+    "StoreAddress", "StoreServer", "Sum", "TensorMismatchError", "Work", "agree_max", "allgather", "allgather_object", "allreduce",
+    "allreduce_", "auth", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",
     "elastic", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "report", "round_id",
     "set_progress", "set_reporter", "shutdown", "size", "timeline",

@@ -50,6 +50,7 @@ class Communicator(abc.ABC):
         self._error: BaseException | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._payloads = 0
 
     # ------------------------------------------------------------ properties
     @property
@@ -118,6 +119,21 @@ class Communicator(abc.ABC):
         if isinstance(cause, CommError):
             return cause
         return CommError(f"[{self.spec.identity}] collective failed: {_first_line(cause)}")
+
+    def payload_name(self, kind: str) -> str:
+        """A name for the next object-collective payload, unique in the job: round and a per-round
+        sequence number (every rank makes the same object collectives in the same order, which the
+        signature check enforces, so the numbers agree). Payload MACs bind to it, so a genuine payload
+        cannot be replayed into another collective or round."""
+        self._payloads += 1
+        return f"{self.spec.store_prefix}{kind}#{self._payloads}"
+
+    @property
+    def auth_key(self) -> bytes:
+        key = self.spec.auth_key
+        if key is None:
+            raise CommError(f"[{self.spec.identity}] this ring has no auth_key; form it with elastic_ring.init(spec)")
+        return key
 
     def check_usable(self) -> None:
         if self._error is not None:

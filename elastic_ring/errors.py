@@ -24,7 +24,15 @@ class CommError(ElasticRingError):
 
     Raised on every surviving rank. The communicator is aborted; form a new
     round with :func:`elastic_ring.init` (the elastic loop does this for you).
+
+    ``live_state_consistent`` is True when the failure surfaced where this rank's
+    training state is whole: inside DistributedOptimizer's gradient reduction
+    (before the update is applied), a commit's agreement, a sync or a re-form.
+    The elastic loop then continues from the live state instead of rolling back.
+    A failure in any other collective (the user's own) leaves it False.
     """
+
+    live_state_consistent: bool = False
 
 
 class MembershipChanged(ElasticRingError):
@@ -41,3 +49,21 @@ class TensorMismatchError(ElasticRingError, ValueError):
 
 class NotInitializedError(ElasticRingError, RuntimeError):
     """A collective was called before a ring was formed."""
+
+
+class AuthenticationError(ElasticRingError):
+    """A value read from the rendezvous store, or a payload received from a peer, failed
+    authentication (its HMAC does not match the job's secret): someone who is not part of
+    the job wrote it, or it was damaged in transit. It is never deserialized. The message
+    names the key or the collective."""
+
+
+class RendezvousError(ElasticRingError):
+    """The next ring could not be obtained from the rendezvous (it timed out, the store became
+    unreachable, or its answer was invalid). The elastic loop does not retry it: the job ends
+    with this error, which says what the rendezvous reported."""
+
+
+class RingStopped(ElasticRingError):
+    """The rendezvous ended this process's part in the job (it is not in the next ring, or the job
+    is over). Not an error: the elastic loop lets it through and the process's run ends quietly."""

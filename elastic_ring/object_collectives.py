@@ -1,24 +1,31 @@
-"""Collectives of Python objects and of trees that hold tensors.
+"""Collectives of Python objects and of trees that hold tensors, authenticated.
 
 * ``broadcast_object`` / ``allgather_object``: pickled objects as byte tensors.
-* ``broadcast_tree``: a nested structure (dicts, lists, tuples) whose leaves
-  are tensors or plain values, sent as a small pickled skeleton plus the
-  tensors through fused broadcasts. The receivers need no tensors of their
-  own, so it serves state sync to a fresh worker and optimizer state
-  broadcast alike.
+  Every payload is sealed with the job's secret (HMAC-SHA256 over the round,
+  the collective's sequence number, the sender and the bytes; see
+  :mod:`elastic_ring.auth`) and unpickled only after its MAC checks, so
+  nothing a stranger injects into the ring's sockets is ever unpickled.
+* ``broadcast_tree``: a pytree (dicts, lists, tuples, ... as
+  ``torch.utils._pytree`` flattens them) whose leaves are tensors or plain
+  values: the tree's structure and plain leaves travel as one authenticated
+  object, the tensors as fused tensor broadcasts. Receivers need no tensors of
+  their own, so it serves the state sync to a fresh worker and optimizer-state
+  broadcast alike. Every tensor leaf lands where such a leaf lives on the
+  receiver: CPU leaves on the CPU, CUDA leaves on the receiver's own device.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import runtime
+from .auth import seal, unseal
 from .communicator import Communicator
 from .signature import verify_same
 
@@ -34,7 +41,8 @@ def _to_bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
 
 
 def allgather_bytes(comm: Communicator, data: bytes, timeout_s: float | None) -> list[bytes]:
-    """Every rank's ``data`` (no signature check: callers have agreed beforehand)."""
+    """Every rank's ``data``, unauthenticated (no signature check: callers have agreed beforehand).
+    Callers that deserialize the result must authenticate it (see :func:`allgather_object`)."""
     length = torch.tensor([len(data)], dtype=torch.int64, device=comm.device)
     lengths = torch.empty((comm.size, 1), dtype=torch.int64, device=comm.device)
     comm.allgather(lengths, length, timeout_s).wait()
@@ -49,7 +57,7 @@ def allgather_bytes(comm: Communicator, data: bytes, timeout_s: float | None) ->
 
 
 def broadcast_bytes(comm: Communicator, data: bytes | None, root_rank: int, timeout_s: float | None) -> bytes:
-    """Root's ``data`` on every rank (no signature check)."""
+    """Root's ``data`` on every rank, unauthenticated (no signature check)."""
     is_root = comm.rank == root_rank
     length = torch.tensor([len(data) if is_root else 0], dtype=torch.int64, device=comm.device)
     comm.broadcast(length, root_rank, timeout_s).wait()
@@ -61,90 +69,74 @@ def broadcast_bytes(comm: Communicator, data: bytes | None, root_rank: int, time
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> Any:
-    """Return root's ``obj`` on every rank (pickled; ``obj`` is ignored elsewhere)."""
+    """Return root's ``obj`` on every rank (pickled and authenticated; ``obj`` is ignored elsewhere).
+    Raises :class:`~elastic_ring.AuthenticationError` on a receiver whose payload was tampered with."""
     comm = runtime.current()
     verify_same(comm, f"broadcast_object(root={root_rank})", [(name or "object", "pickle")], timeout_s)
     if comm.size == 1:
         return obj
-    data = pickle.dumps(obj) if comm.rank == root_rank else None
-    return pickle.loads(broadcast_bytes(comm, data, root_rank, timeout_s))
+    label = f"{comm.payload_name('broadcast_object')}/from{root_rank}"
+    data = seal(comm.auth_key, "payload", label, pickle.dumps(obj)) if comm.rank == root_rank else None
+    received = broadcast_bytes(comm, data, root_rank, timeout_s)
+    return pickle.loads(unseal(comm.auth_key, "payload", label, received))
 
 
 def allgather_object(obj: Any, name: str | None = None, timeout_s: float | None = None) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank."""
+    """Every rank's ``obj``, indexed by rank (each payload authenticated before it is unpickled)."""
     comm = runtime.current()
     verify_same(comm, "allgather_object", [(name or "object", "pickle")], timeout_s)
     if comm.size == 1:
         return [obj]
-    return [pickle.loads(b) for b in allgather_bytes(comm, pickle.dumps(obj), timeout_s)]
-
-
-#: Containers that broadcast_tree walks into; anything else is a pickled leaf.
-_MAPPINGS = (dict, collections.OrderedDict)
+    label = comm.payload_name("allgather_object")
+    mine = seal(comm.auth_key, "payload", f"{label}/from{comm.rank}", pickle.dumps(obj))
+    rows = allgather_bytes(comm, mine, timeout_s)
+    return [pickle.loads(unseal(comm.auth_key, "payload", f"{label}/from{r}", row)) for r, row in enumerate(rows)]
 
 
 @dataclass(frozen=True)
-class _TensorSlot:
-    """Placeholder of a tensor leaf in a broadcast skeleton."""
+class _TensorLeaf:
+    """Placeholder of a tensor leaf in a broadcast tree: what the receiver allocates, and where it lives."""
 
-    index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-def _split(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        tensors.append(tree)
-        return _TensorSlot(len(tensors) - 1, tuple(tree.shape), tree.dtype)
-    if type(tree) in _MAPPINGS:
-        return type(tree)((k, _split(v, tensors)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
-        return type(tree)(_split(v, tensors) for v in tree)
-    return tree
-
-
-def _join(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, _TensorSlot):
-        return tensors[skeleton.index]
-    if type(skeleton) in _MAPPINGS:
-        return type(skeleton)((k, _join(v, tensors)) for k, v in skeleton.items())
-    if isinstance(skeleton, (list, tuple)) and type(skeleton) in (list, tuple):
-        return type(skeleton)(_join(v, tensors) for v in skeleton)
-    return skeleton
+    on_cpu: bool
 
 
 def broadcast_tree(tree: Any = None, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> Any:
     """Return root's ``tree`` on every rank; tensor leaves travel as fused tensor broadcasts.
 
-    Receivers get new tensors on the ring's device (CPU for gloo); ``tree`` is
+    Receivers get new tensors: a leaf that is on the CPU at the root is on the CPU
+    at the receiver, a CUDA leaf is on the receiver's ring device; ``tree`` is
     ignored on them. Plain leaves must be picklable.
     """
-    from .collectives import grouped_broadcast_  # late: collectives imports this module
+    from .collectives import grouped_broadcast_  # late: collectives imports signature, which imports this module
 
     comm = runtime.current()
-    tensors: list[torch.Tensor] = []
-    skeleton = _split(tree, tensors) if comm.rank == root_rank else None
-    skeleton = broadcast_object(skeleton, root_rank, name=name or "tree", timeout_s=timeout_s)
-    if comm.rank == root_rank:
-        if comm.size == 1:
-            return tree
-        send = [t.detach().to(comm.device).contiguous() for t in tensors]
+    is_root = comm.rank == root_rank
+    if is_root:
+        leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_namedtuple)
+        layout = [_TensorLeaf(tuple(x.shape), x.dtype, x.device.type == "cpu") if isinstance(x, torch.Tensor) else x
+                  for x in leaves]
+        skeleton = (pytree.treespec_dumps(spec), layout)
     else:
-        slots: list[_TensorSlot] = []
-        _collect_slots(skeleton, slots)
-        send = [torch.empty(s.shape, dtype=s.dtype, device=comm.device) for s in sorted(slots, key=lambda s: s.index)]
-    grouped_broadcast_(send, root_rank, name=name or "tree", timeout_s=timeout_s)
-    if comm.rank == root_rank:
+        skeleton = None
+    spec_text, layout = broadcast_object(skeleton, root_rank, name=name or "tree", timeout_s=timeout_s)
+    if is_root and comm.size == 1:
         return tree
-    return _join(skeleton, send)
+    slots = [i for i, x in enumerate(layout) if isinstance(x, _TensorLeaf)]
+    if is_root:
+        send = [leaves[i].detach().to(comm.device).contiguous() for i in slots]
+    else:
+        send = [torch.empty(layout[i].shape, dtype=layout[i].dtype, device=comm.device) for i in slots]
+    grouped_broadcast_(send, root_rank, name=name or "tree", timeout_s=timeout_s)
+    if is_root:
+        return tree
+    received = list(layout)
+    for i, t in zip(slots, send):
+        received[i] = t.cpu() if layout[i].on_cpu else t
+    return pytree.tree_unflatten(received, pytree.treespec_loads(spec_text))
 
 
-def _collect_slots(skeleton: Any, out: list[_TensorSlot]) -> None:
-    if isinstance(skeleton, _TensorSlot):
-        out.append(skeleton)
-    elif type(skeleton) in _MAPPINGS:
-        for v in skeleton.values():
-            _collect_slots(v, out)
-    elif type(skeleton) in (list, tuple):
-        for v in skeleton:
-            _collect_slots(v, out)
+def _is_namedtuple(x: Any) -> bool:
+    """Namedtuples travel whole, as plain leaves (their types cannot be named in a plain tree spec)."""
+    return isinstance(x, tuple) and hasattr(x, "_fields")

@@ -6,17 +6,29 @@ forms the new one on the round's prefixed store keys. Round ids must increase
 per store, so a stale round's keys can never be mistaken for the new round's.
 
 Connections to rendezvous stores are kept for the life of the process and
-shared by all rounds that use the same store.
+shared by all rounds that use the same store. Every round's communicator sees
+the store through :class:`~elastic_ring.auth.AuthenticatedStore` under the
+spec's ``auth_key``, so gloo's and NCCL's rendezvous values are authenticated.
+
+When no ring is formed yet and a *ring provider* is installed (the elastic
+loop installs one with its rendezvous), the first call that needs the ring
+(``er.rank()``, a collective, ...) forms it through the provider. That is how
+code before ``@er.elastic.run`` inside ``ElasticTrainer`` works; a failure
+there is not recovered (only the elastic loop recovers), and its error says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
 
 import torch.distributed as dist
 
+from typing import Callable
+
+from .auth import AuthenticatedStore, new_secret
 from .communicator import Communicator
 from .errors import CommError, NotInitializedError
 from .log import get_logger
@@ -28,6 +40,20 @@ _lock = threading.RLock()
 _current: Communicator | None = None
 _stores: dict[StoreAddress, dist.TCPStore] = {}
 _last_round: dict[tuple[StoreAddress, str], int] = {}
+_ring_provider: Callable[[], None] | None = None
+_teardown_hooks: list[Callable[[], None]] = []
+
+
+def set_ring_provider(provider: Callable[[], None] | None) -> None:
+    """Install what forms the first ring on demand (``provider()`` must call :func:`init`); None removes it."""
+    global _ring_provider
+    _ring_provider = provider
+
+
+def add_teardown_hook(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` whenever a round's communicator is torn down (e.g. to release pooled buffers)."""
+    if hook not in _teardown_hooks:
+        _teardown_hooks.append(hook)
 
 
 def _store_client(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
@@ -71,6 +97,13 @@ def init(spec: RingSpec) -> Communicator:
     global _current
     if not isinstance(spec, RingSpec):
         raise TypeError(f"elastic_ring.init expects a RingSpec, got {type(spec).__name__}")
+    if spec.auth_key is None and spec.world_size == 1:
+        spec = dataclasses.replace(spec, auth_key=new_secret())  # a ring of one reads nothing from anyone
+    if spec.auth_key is None:
+        raise ValueError("RingSpec.auth_key is missing: every rank needs the job's secret (at least 16 bytes, the same "
+                         "on every rank) so that nothing read from the store or the ring is used unauthenticated; "
+                         "make one with elastic_ring.auth.new_secret() and pass it to every rank out of band "
+                         "(ElasticTrainer does this for you)")
     with _lock:
         key = (spec.store, spec.job_id)
         last = _last_round.get(key)
@@ -82,7 +115,7 @@ def init(spec: RingSpec) -> Communicator:
         _shutdown_locked()
         _last_round[key] = spec.round_id
         started = time.monotonic()
-        store = _store_client(spec.store, spec.connect_timeout_s)
+        store = AuthenticatedStore(_store_client(spec.store, spec.connect_timeout_s), spec.auth_key)
         _current = _create(spec, store)
         _log.debug("formed %s ring of %d in %.3f s", spec.backend, spec.world_size, time.monotonic() - started)
         return _current
@@ -92,10 +125,14 @@ def _shutdown_locked() -> None:
     global _current
     if _current is not None:
         comm, _current = _current, None
-        if comm.errored:
-            comm.abort()
-        else:
-            comm.close()
+        try:
+            if comm.errored:
+                comm.abort()
+            else:
+                comm.close()
+        finally:
+            for hook in _teardown_hooks:
+                hook()
 
 
 def shutdown() -> None:
@@ -111,6 +148,11 @@ def is_initialized() -> bool:
 def current() -> Communicator:
     """The current round's communicator; raises :class:`NotInitializedError` if there is none."""
     comm = _current
+    if comm is None and _ring_provider is not None:
+        with _lock:
+            if _current is None:
+                _ring_provider()
+        comm = _current
     if comm is None:
         raise NotInitializedError(
             "elastic_ring has no ring: call elastic_ring.init(spec) first, or run the code "

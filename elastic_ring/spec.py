@@ -11,9 +11,12 @@ driver, a test harness, a user's launcher) is not this module's business.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from .auth import check_secret
 from .constants import COLLECTIVE_TIMEOUT_S, CONNECT_TIMEOUT_S
+from .validation import check_int, check_number
 
 BACKENDS = ("gloo", "nccl")
 
@@ -28,8 +31,7 @@ class StoreAddress:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"StoreAddress.host={self.host!r} must be a non-empty host name or IP")
-        if not isinstance(self.port, int) or not 0 < self.port < 65536:
-            raise ValueError(f"StoreAddress.port={self.port!r} must be a TCP port in 1..65535")
+        check_int("StoreAddress.", "port", self.port, minimum=1, maximum=65535, hint="a TCP port")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class RingSpec:
         connect_timeout_s: forming the communicator that takes longer raises CommError.
         bind_host: address gloo binds and advertises (None: resolve the host name).
         cuda_device: CUDA device index for NCCL (None: torch's current device).
+        auth_key: the job's secret (at least 16 bytes, the same on every rank). Every store
+            value and object-collective payload is authenticated with it (see
+            :mod:`elastic_ring.auth`). It is never sent anywhere: :meth:`to_wire` leaves it
+            out, and :meth:`from_wire` takes it from the receiver. Required by :func:`init`.
     """
 
     round_id: int
@@ -61,31 +67,57 @@ class RingSpec:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     bind_host: str | None = None
     cuda_device: int | None = None
+    auth_key: bytes | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.round_id, int) or self.round_id < 0:
-            raise ValueError(f"RingSpec.round_id={self.round_id!r} must be an int >= 0")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"RingSpec.world_size={self.world_size!r} must be an int >= 1")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"RingSpec.rank={self.rank!r} must be an int in 0..world_size-1 ({self.world_size - 1})")
-        if not isinstance(self.node_ids, tuple) or len(self.node_ids) != self.world_size:
+        check_int("RingSpec.", "round_id", self.round_id, minimum=0)
+        check_int("RingSpec.", "world_size", self.world_size, minimum=1)
+        check_int("RingSpec.", "rank", self.rank, minimum=0, maximum=self.world_size - 1)
+        if not isinstance(self.node_ids, tuple) or len(self.node_ids) != self.world_size or \
+                not all(isinstance(n, str) and n for n in self.node_ids):
             raise ValueError(
-                f"RingSpec.node_ids={self.node_ids!r} must be a tuple with one node id per rank "
+                f"RingSpec.node_ids={self.node_ids!r} must be a tuple with one non-empty node id string per rank "
                 f"(world_size={self.world_size})"
             )
         if not isinstance(self.store, StoreAddress):
             raise ValueError(f"RingSpec.store={self.store!r} must be a StoreAddress(host, port)")
         if self.backend not in BACKENDS:
             raise ValueError(f"RingSpec.backend={self.backend!r} is unknown; use one of {BACKENDS}")
-        if not self.job_id or "/" in self.job_id:
-            raise ValueError(f"RingSpec.job_id={self.job_id!r} must be non-empty and contain no '/'")
+        if not isinstance(self.job_id, str) or not self.job_id or "/" in self.job_id:
+            raise ValueError(f"RingSpec.job_id={self.job_id!r} must be a non-empty string without '/'")
         for name in ("collective_timeout_s", "connect_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"RingSpec.{name}={value!r} must be a number of seconds > 0")
-        if self.cuda_device is not None and (not isinstance(self.cuda_device, int) or self.cuda_device < 0):
-            raise ValueError(f"RingSpec.cuda_device={self.cuda_device!r} must be None or a device index >= 0")
+            check_number("RingSpec.", name, getattr(self, name), unit="seconds")
+        if self.bind_host is not None and (not isinstance(self.bind_host, str) or not self.bind_host):
+            raise ValueError(f"RingSpec.bind_host={self.bind_host!r} must be None or an address of this machine")
+        if self.cuda_device is not None:
+            check_int("RingSpec.", "cuda_device", self.cuda_device, minimum=0, hint="None means torch's current device")
+        if self.auth_key is not None:
+            object.__setattr__(self, "auth_key", check_secret(self.auth_key, "RingSpec.auth_key"))
+
+    # ------------------------------------------------------------ plain encoding (no pickle)
+    def to_wire(self) -> dict[str, Any]:
+        """The spec as plain JSON data, without ``auth_key``."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "auth_key"}
+        out["node_ids"] = list(self.node_ids)
+        out["store"] = {"host": self.store.host, "port": self.store.port}
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], auth_key: bytes | None) -> "RingSpec":
+        """Inverse of :meth:`to_wire`; the receiver supplies its own ``auth_key``. Validates everything."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a ring spec must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)} - {"auth_key"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ring spec fields {unknown}")
+        values = dict(data)
+        store = values.get("store")
+        if not isinstance(store, dict):
+            raise ValueError(f"ring spec store={store!r} must be an object with host and port")
+        values["store"] = StoreAddress(store.get("host"), store.get("port"))
+        values["node_ids"] = tuple(values.get("node_ids") or ())
+        return cls(**values, auth_key=auth_key)
 
     @property
     def node_id(self) -> str:

@@ -20,6 +20,7 @@ buckets overlap), ``state`` (commit, restore, sync), ``membership``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -32,7 +33,7 @@ from . import progress
 MAX_BUFFERED_EVENTS = 200_000
 
 _enabled = False
-_events: list[dict[str, Any]] = []
+_events: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_BUFFERED_EVENTS)
 _dropped = 0
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -76,9 +77,8 @@ def _now_us() -> float:
 def _append(event: dict[str, Any]) -> None:
     global _dropped
     with _lock:
-        if len(_events) >= MAX_BUFFERED_EVENTS:
-            del _events[0]
-            _dropped += 1
+        if len(_events) == MAX_BUFFERED_EVENTS:
+            _dropped += 1  # the deque drops the oldest
         _events.append(event)
 
 
@@ -120,8 +120,9 @@ def end_async(event_id: int | None, name: str, category: str, **args: Any) -> No
 
 def drain() -> tuple[list[dict[str, Any]], int]:
     """Take the buffered events and how many were dropped since the last drain."""
-    global _events, _dropped
+    global _dropped
     with _lock:
-        events, dropped = _events, _dropped
-        _events, _dropped = [], 0
+        events, dropped = list(_events), _dropped
+        _events.clear()
+        _dropped = 0
     return events, dropped

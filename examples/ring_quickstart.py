@@ -14,16 +14,15 @@ import argparse
 import multiprocessing as mp
 
 import torch
-import torch.distributed as dist
 
 import elastic_ring as er
 
 
-def train(rank: int, world: int, port: int, steps: int, queue) -> None:
+def train(rank: int, world: int, port: int, secret: bytes, steps: int, queue) -> None:
     torch.set_num_threads(1)
-    # 1. join the ring (ElasticTrainer does this for you)
+    # 1. join the ring (ElasticTrainer does this for you); the secret authenticates everything the ranks exchange
     er.init(er.RingSpec(round_id=1, rank=rank, world_size=world, node_ids=("localhost",) * world,
-                        store=er.StoreAddress("127.0.0.1", port)))
+                        store=er.StoreAddress("127.0.0.1", port), auth_key=secret))
     torch.manual_seed(rank)  # deliberately different starting weights...
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     # 2. wrap the optimizer
@@ -56,10 +55,12 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the rendezvous
+    server = er.StoreServer("127.0.0.1")  # the rendezvous store, listening on loopback only
+    secret = er.auth.new_secret()  # the job's secret: handed to the ranks out of band (here: process arguments)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=train, args=(r, args.world, store.port, args.steps, queue)) for r in range(args.world)]
+    procs = [ctx.Process(target=train, args=(r, args.world, server.address.port, secret, args.steps, queue))
+             for r in range(args.world)]
     for p in procs:
         p.start()
     results = []

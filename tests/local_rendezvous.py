@@ -12,6 +12,7 @@ import datetime
 import torch.distributed as dist
 
 import elastic_ring as er
+from tests.process_ring import TEST_SECRET
 
 
 class StoreRendezvous:
@@ -34,4 +35,4 @@ class StoreRendezvous:
         self._store.set(f"{self._job}/rdzv{g}/rank{rank}", "here")
         self._store.wait([f"{self._job}/rdzv{g}/rank{r}" for r in range(world)])
         return er.RingSpec(round_id=g, rank=rank, world_size=world, node_ids=("local",) * world,
-                           store=self._address, job_id=self._job)
+                           store=self._address, job_id=self._job, auth_key=TEST_SECRET)

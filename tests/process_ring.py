@@ -23,6 +23,9 @@ import torch.distributed as dist
 
 import elastic_ring as er
 
+#: The job secret of the test rings (RingSpec.auth_key); real jobs make a fresh one per run.
+TEST_SECRET = b"elastic-ring-tests-secret-32-byt"
+
 
 @dataclass
 class RankFailure:
@@ -131,6 +134,7 @@ class ProcessRing:
 
     def spec(self, rank: int, world_size: int, round_id: int, **overrides) -> er.RingSpec:
         node_ids = overrides.pop("node_ids", tuple(f"node{r // 2}" for r in range(world_size)))
+        overrides.setdefault("auth_key", TEST_SECRET)
         return er.RingSpec(round_id=round_id, rank=rank, world_size=world_size, node_ids=node_ids,
                            store=self.address, **overrides)
 

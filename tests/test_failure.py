@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from tests.process_ring import TEST_SECRET
 
 
 def _allreduce_until_failure(store_host, store_port, survivor_ranks):
@@ -33,7 +34,7 @@ def _allreduce_until_failure(store_host, store_port, survivor_ranks):
     new_rank = survivor_ranks.index(old_rank)
     world = len(survivor_ranks)
     spec = er.RingSpec(round_id=next_round, rank=new_rank, world_size=world, node_ids=("n",) * world,
-                       store=er.StoreAddress(store_host, store_port))
+                       store=er.StoreAddress(store_host, store_port), auth_key=TEST_SECRET)
     reformed_started = time.monotonic()
     er.init(spec)
     reform_s = time.monotonic() - reformed_started
@@ -118,7 +119,7 @@ def test_round_ids_must_increase(ring):
 def _missing_peer():
     started = time.monotonic()
     try:
-        er.init(er.RingSpec(round_id=1, rank=0, world_size=2, node_ids=("a", "b"), job_id=f"absent-peer-{os.getpid()}",
+        er.init(er.RingSpec(round_id=1, rank=0, world_size=2, node_ids=("a", "b"), job_id=f"absent-peer-{os.getpid()}", auth_key=TEST_SECRET,
                             store=er.StoreAddress("127.0.0.1", int(os.environ.get("ER_TEST_PORT", "0")) or 1),
                             connect_timeout_s=1.0))
     except er.CommError as exc:
