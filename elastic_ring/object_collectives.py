@@ -69,8 +69,9 @@ def broadcast_bytes(comm: Communicator, data: bytes | None, root_rank: int, time
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> Any:
-    """Return root's ``obj`` on every rank (pickled and authenticated; ``obj`` is ignored elsewhere).
-    Raises :class:`~elastic_ring.AuthenticationError` on a receiver whose payload was tampered with."""
+    """Return root's ``obj`` on every rank (pickled and authenticated; ``obj`` is ignored elsewhere, and the
+    root gets ``obj`` itself back). Raises :class:`~elastic_ring.AuthenticationError` on a receiver whose
+    payload was tampered with."""
     comm = runtime.current()
     verify_same(comm, f"broadcast_object(root={root_rank})", [(name or "object", "pickle")], timeout_s)
     if comm.size == 1:
@@ -78,6 +79,8 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     label = f"{comm.payload_name('broadcast_object')}/from{root_rank}"
     data = seal(comm.auth_key, "payload", label, pickle.dumps(obj)) if comm.rank == root_rank else None
     received = broadcast_bytes(comm, data, root_rank, timeout_s)
+    if comm.rank == root_rank:
+        return obj
     return pickle.loads(unseal(comm.auth_key, "payload", label, received))
 
 
@@ -90,7 +93,8 @@ def allgather_object(obj: Any, name: str | None = None, timeout_s: float | None 
     label = comm.payload_name("allgather_object")
     mine = seal(comm.auth_key, "payload", f"{label}/from{comm.rank}", pickle.dumps(obj))
     rows = allgather_bytes(comm, mine, timeout_s)
-    return [pickle.loads(unseal(comm.auth_key, "payload", f"{label}/from{r}", row)) for r, row in enumerate(rows)]
+    return [obj if r == comm.rank else pickle.loads(unseal(comm.auth_key, "payload", f"{label}/from{r}", row))
+            for r, row in enumerate(rows)]
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ring.constants import COLLECTIVE_TIMEOUT_S
+from elastic_ring.validation import check_bool, check_int, check_number, is_number
 
+from .decisions import Limits
 
-def _positive(name: str, value: Any, integer: bool = False, allow_zero: bool = False) -> None:
-    kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        what = "an int" if integer else "a number"
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"ElasticTrainer {name}={value!r} must be {what} {bound}")
+_OWNER = "ElasticTrainer"
+#: The persistence cadence used when only checkpoint_uri is given (plus a checkpoint at every stop and drain).
+DEFAULT_CHECKPOINT_EVERY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -24,7 +22,8 @@ class TrainerConfig:
 
     Worker counts: the job starts once ``min_workers`` workers are up, grows to
     ``max_workers`` as capacity appears, and keeps training while at least
-    ``min_workers`` are alive.
+    ``min_workers`` are alive. Every wait of the driver and the workers has a
+    deadline that follows from these options (:attr:`limits`).
     """
 
     min_workers: int = 1
@@ -37,58 +36,63 @@ class TrainerConfig:
     checkpoint_every_n_commits: int | None = None
     checkpoint_every_s: float | None = None
     checkpoint_keep_last: int = 3
+    trusted_checkpoints: bool = False
     max_failures: int = 10
     start_timeout_s: float = 120.0
     elastic_timeout_s: float = 60.0
+    connect_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    stop_timeout_s: float = 60.0
+    bind_address: str | None = None
     runtime_env: dict[str, Any] | None = None
     progress: bool | None = None
     timeline_path: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("min_workers", self.min_workers, integer=True)
-        _positive("max_workers", self.max_workers, integer=True)
+        check_int(_OWNER, "min_workers", self.min_workers, minimum=1)
+        check_int(_OWNER, "max_workers", self.max_workers, minimum=1)
         if self.min_workers > self.max_workers:
             raise ValueError(
                 f"ElasticTrainer min_workers={self.min_workers} is larger than max_workers={self.max_workers}; "
                 "set max_workers >= min_workers"
             )
-        if not isinstance(self.use_gpu, bool):
-            raise ValueError(f"ElasticTrainer use_gpu={self.use_gpu!r} must be True or False")
-        _positive("cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        check_bool(_OWNER, "use_gpu", self.use_gpu)
+        check_number(_OWNER, "cpus_per_worker", self.cpus_per_worker, allow_equal=True, unit="CPUs")
         if self.gpus_per_worker is not None:
-            _positive("gpus_per_worker", self.gpus_per_worker)
+            check_number(_OWNER, "gpus_per_worker", self.gpus_per_worker, unit="GPUs")
             if not self.use_gpu:
                 raise ValueError(f"ElasticTrainer gpus_per_worker={self.gpus_per_worker} needs use_gpu=True")
+            if self.gpus_per_worker != int(self.gpus_per_worker):
+                raise ValueError(
+                    f"ElasticTrainer gpus_per_worker={self.gpus_per_worker} is fractional: two ranks of one NCCL "
+                    "communicator cannot share a GPU (NCCL refuses them); use a whole number of GPUs per worker")
         if not isinstance(self.resources_per_worker, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in self.resources_per_worker.items()
+            isinstance(k, str) and is_number(v) and v > 0 for k, v in self.resources_per_worker.items()
         ):
             raise ValueError(
                 f"ElasticTrainer resources_per_worker={self.resources_per_worker!r} must map resource names to "
-                "amounts > 0, e.g. {'slot': 1}"
+                "finite amounts > 0, e.g. {'slot': 1}"
             )
         for reserved in ("CPU", "GPU"):
             if reserved in self.resources_per_worker:
                 raise ValueError(
                     f"ElasticTrainer resources_per_worker has {reserved!r}; use cpus_per_worker / gpus_per_worker instead"
                 )
-        if self.checkpoint_uri is not None:
-            if not isinstance(self.checkpoint_uri, str) or not self.checkpoint_uri:
-                raise ValueError(f"ElasticTrainer checkpoint_uri={self.checkpoint_uri!r} must be a path or fsspec URL")
-            if self.checkpoint_every_n_commits is None and self.checkpoint_every_s is None:
-                raise ValueError(
-                    "ElasticTrainer checkpoint_uri is set but neither checkpoint_every_n_commits nor "
-                    "checkpoint_every_s is: say how often to persist"
-                )
-        if self.checkpoint_every_n_commits is not None:
-            _positive("checkpoint_every_n_commits", self.checkpoint_every_n_commits, integer=True)
-        if self.checkpoint_every_s is not None:
-            _positive("checkpoint_every_s", self.checkpoint_every_s)
-        _positive("checkpoint_keep_last", self.checkpoint_keep_last, integer=True)
-        _positive("max_failures", self.max_failures, integer=True, allow_zero=True)
-        for name in ("start_timeout_s", "elastic_timeout_s", "heartbeat_timeout_s", "collective_timeout_s"):
-            _positive(name, getattr(self, name))
+        self._check_checkpoints()
+        check_int(_OWNER, "max_failures", self.max_failures, minimum=0)
+        for name in ("start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
+                     "heartbeat_timeout_s", "collective_timeout_s", "stop_timeout_s"):
+            check_number(_OWNER, name, getattr(self, name), unit="seconds")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"ElasticTrainer heartbeat_timeout_s={self.heartbeat_timeout_s} is shorter than two heartbeats "
+                f"(heartbeat_interval_s={self.heartbeat_interval_s}): healthy workers would be killed; set "
+                f"heartbeat_timeout_s >= {2 * self.heartbeat_interval_s:g}")
+        if self.bind_address is not None and (not isinstance(self.bind_address, str) or not self.bind_address):
+            raise ValueError(f"ElasticTrainer bind_address={self.bind_address!r} must be an address of the driver's "
+                             "machine (e.g. '10.0.0.5'), or None for the address Ray uses for this node")
         if self.runtime_env is not None and not isinstance(self.runtime_env, dict):
             raise ValueError(f"ElasticTrainer runtime_env={self.runtime_env!r} must be a dict (Ray's runtime_env)")
         if self.progress is not None and not isinstance(self.progress, bool):
@@ -97,6 +101,31 @@ class TrainerConfig:
                                                    and str(self.timeline_path)):
             raise ValueError(f"ElasticTrainer timeline_path={self.timeline_path!r} must be a file path, e.g. "
                              "'timeline.json', or None")
+
+    def _check_checkpoints(self) -> None:
+        if self.checkpoint_uri is not None and (not isinstance(self.checkpoint_uri, str) or not self.checkpoint_uri):
+            raise ValueError(f"ElasticTrainer checkpoint_uri={self.checkpoint_uri!r} must be an absolute path or an "
+                             "fsspec URL (e.g. /data/ckpt, s3://bucket/job)")
+        if self.checkpoint_every_n_commits is not None:
+            check_int(_OWNER, "checkpoint_every_n_commits", self.checkpoint_every_n_commits, minimum=1)
+        if self.checkpoint_every_s is not None:
+            check_number(_OWNER, "checkpoint_every_s", self.checkpoint_every_s, unit="seconds")
+        check_int(_OWNER, "checkpoint_keep_last", self.checkpoint_keep_last, minimum=1)
+        check_bool(_OWNER, "trusted_checkpoints", self.trusted_checkpoints)
+        if self.checkpoint_uri is None:
+            for name in ("checkpoint_every_n_commits", "checkpoint_every_s"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"ElasticTrainer {name}={getattr(self, name)!r} has no effect without "
+                                     "checkpoint_uri; set checkpoint_uri too, or drop it")
+            if self.trusted_checkpoints:
+                raise ValueError("ElasticTrainer trusted_checkpoints=True has no effect without checkpoint_uri")
+
+    @property
+    def checkpoint_cadence(self) -> tuple[int | None, float | None]:
+        """(every_n_commits, every_s): as given, or every DEFAULT_CHECKPOINT_EVERY_S seconds when neither is."""
+        if self.checkpoint_every_n_commits is None and self.checkpoint_every_s is None:
+            return None, DEFAULT_CHECKPOINT_EVERY_S
+        return self.checkpoint_every_n_commits, self.checkpoint_every_s
 
     @property
     def worker_gpus(self) -> float:
@@ -108,3 +137,10 @@ class TrainerConfig:
     @property
     def backend(self) -> str:
         return "nccl" if self.use_gpu else "gloo"
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                      collective_timeout_s=self.collective_timeout_s, connect_timeout_s=self.connect_timeout_s,
+                      capacity_wait_s=self.elastic_timeout_s, stop_timeout_s=self.stop_timeout_s,
+                      min_workers=self.min_workers, max_workers=self.max_workers, max_failures=self.max_failures)

@@ -47,7 +47,7 @@ class ProgressDisplay:
         self._window: deque[tuple[float, int]] = deque()
 
     def _rate(self, record: dict) -> float | None:
-        samples, now = record.get("samples"), record.get("time")
+        samples, now = record.get("samples"), record.get("driver_time", record.get("time"))
         if samples is None or now is None:
             return None
         if self._window and samples < self._window[-1][1]:

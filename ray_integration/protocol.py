@@ -1,61 +1,62 @@
-"""What the driver and the workers say to each other through the rendezvous TCP store.
+"""What the driver and the workers say to each other, and where.
 
-The store lives in the driver's process. All key names are made here, so the
-two sides cannot drift apart:
+The rendezvous store lives in the driver's process. Driver and workers talk
+through its *queues*, one per receiver, in sealed JSON messages
+(:mod:`.channel`); nothing is pickled and nothing unauthenticated is used.
+Every message carries its sender (``from``), the sender's message counter
+(``n``: a receiver drops a number it has already seen, so a captured message
+cannot be replayed) and its kind (``k``). All names are made here, so the two
+sides cannot drift apart.
 
-* ``waiting``: a worker asks for its next ring: ``"<generation>:<reason>"``,
-  reason ``start``, ``failure`` or ``membership``;
-* ``ring``: the driver's answer for that generation: a pickled ``RingSpec``,
-  or ``STOP`` when the job is over for this worker;
-* ``heartbeat``: the worker's wall-clock time, refreshed by a thread;
-* ``synced``: set once the worker completed a sync (it holds the ring's
-  committed state from then on, so it may be the next ring's root);
-* ``metrics``: rank 0's ``er.report`` records, numbered from 1;
-* ``resumed``: the checkpoint info, when rank 0 resumed the job from a checkpoint;
-* ``timeline``: batches of a worker's timeline events, numbered from 1
-  (only with ``ElasticTrainer(timeline_path=...)``).
+Worker -> driver (queue ``{job}/driver``):
+
+* ``hb``: a heartbeat every ``heartbeat_interval_s`` with the worker's
+  heartbeat counter ``seq`` and, while it waits for a ring, the ``waiting``
+  generation and ``reason``. The driver times silence on its own monotonic
+  clock (time since the counter last advanced); no clocks are compared across
+  hosts. A repeated ``waiting`` also recovers a lost request or answer.
+* ``ring_request``: ``generation``, ``reason`` (``start``, ``failure``, ``membership``);
+* ``synced``: the worker completed a sync (it holds the job's state from now on);
+* ``report``: one of rank 0's ``er.report`` records;
+* ``timeline``: a batch of timeline events (``events``, ``dropped``, ``host``);
+* ``resumed``: the checkpoint the job resumed from;
+* ``checkpoint``: a durable checkpoint was written or failed;
+* ``fault``: a worker thread failed (``what``, ``error``), just before the worker goes silent.
+
+Driver -> worker (queue ``{job}/w/{worker_id}``):
+
+* ``ring``: ``generation``, ``spec`` (a :class:`~elastic_ring.RingSpec` as plain
+  data, without the secret) and ``stop`` (the job stops in this round: commit
+  right after the sync, written durably, and end);
+* ``stop``: ``generation``, ``why``: this worker is in no next ring;
+* ``pending``: ``generation``: the driver is alive and still deciding (sent for
+  every heartbeat of a waiting worker). A worker gives up waiting only after
+  ``heartbeat_timeout_s`` without any word from the driver.
+
+Notices about the *current* ring (re-form at the next commit, persist it, stop
+at it) go through Ray actor calls and are tagged with the round they are for
+(:mod:`state.membership`).
 """
 
 from __future__ import annotations
 
-STOP = b"STOP"
+DRIVER = "driver"
+
+WORKER_KINDS = ("hb", "ring_request", "synced", "report", "timeline", "resumed", "checkpoint", "fault")
+DRIVER_KINDS = ("ring", "stop", "pending")
 
 
 class Keys:
     def __init__(self, job_id: str) -> None:
         self.job = job_id
 
-    def waiting(self, worker_id: str) -> str:
-        return f"{self.job}/w/{worker_id}/waiting"
-
-    def ring(self, worker_id: str, generation: int) -> str:
-        return f"{self.job}/w/{worker_id}/ring/{generation}"
-
-    def synced(self, worker_id: str) -> str:
-        return f"{self.job}/w/{worker_id}/synced"
-
-    def heartbeat(self, worker_id: str) -> str:
-        return f"{self.job}/w/{worker_id}/heartbeat"
-
     @property
-    def metrics_count(self) -> str:
-        return f"{self.job}/metrics/count"
+    def driver_inbox(self) -> str:
+        return f"{self.job}/driver"
 
-    def metric(self, index: int) -> str:
-        return f"{self.job}/metrics/{index}"
+    def worker_inbox(self, worker_id: str) -> str:
+        return f"{self.job}/w/{worker_id}"
 
-    @property
-    def timeline_count(self) -> str:
-        return f"{self.job}/timeline/count"
-
-    def timeline(self, index: int) -> str:
-        return f"{self.job}/timeline/{index}"
-
-    @property
-    def resumed(self) -> str:
-        return f"{self.job}/resumed"
-
-
-def parse_waiting(value: bytes) -> tuple[int, str]:
-    generation, reason = value.decode().split(":", 1)
-    return int(generation), reason
+    def round_prefix(self, round_id: int) -> str:
+        """The store keys of one round (gloo's and NCCL's rendezvous) start with this."""
+        return f"{self.job}/round{round_id}/"

@@ -2,35 +2,32 @@
 
 from __future__ import annotations
 
-import datetime
-import pickle
+import queue
 import signal
-import threading
 import sys
-import time
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-import torch.distributed as dist
 from ray.autoscaler.sdk import request_resources
 
+import elastic_ring as er
+from elastic_ring.auth import new_secret
 from elastic_ring.log import get_logger
 from state import CheckpointConfig, CheckpointStore
 
+from .channel import Channel, Inbox
 from .config import TrainerConfig
 from .driver import Driver, Failed, Finished, Stopped
 from .events import Event, EventLog
 from .progress import ProgressDisplay
-from .protocol import Keys
+from .protocol import DRIVER, Keys
 from .timeline_file import TimelineFile
 from .worker_pool import WorkerPool
 
 _log = get_logger(__name__)
-
-#: Seconds between heartbeats of a worker (its timeout is heartbeat_timeout_s).
-HEARTBEAT_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -39,6 +36,58 @@ class Result:
     metrics: list[dict] = field(default_factory=list)   # rank 0's er.report records (with time, round, world size)
     events: list[Event] = field(default_factory=list)   # membership history
     checkpoint: str | None = None                # URI of the newest durable checkpoint
+
+
+class _Signals:
+    """SIGTERM: stop at the next commit, written durably; a second SIGTERM abandons the stop at once."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._driver.stop_reason is None:
+            self._driver.request_stop("SIGTERM")
+        else:
+            self._driver.abort("a second SIGTERM")
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+class _Mailroom:
+    """Moves what workers sent (reports, timeline, resume info, checkpoint events) to the trainer's outputs."""
+
+    def __init__(self, pool: WorkerPool, events: EventLog, progress: ProgressDisplay, timeline: TimelineFile | None,
+                 on_report: Callable[[dict], None] | None) -> None:
+        self.pool, self.events, self.progress, self.timeline, self.on_report = pool, events, progress, timeline, on_report
+        self.metrics: list[dict] = []
+        self.resumed: dict | None = None
+
+    def __call__(self, d: Driver) -> None:
+        mail = self.pool.mail
+        for info in mail.resumed:
+            if self.resumed is None:
+                self.resumed = info
+                meta = info.get("meta") or {}
+                self.events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info.get("uri"),
+                                seq=info.get("seq"), commits=meta.get("commits"), epoch=info.get("epoch"),
+                                step=info.get("step"))
+        for event in mail.checkpoints:
+            detail = {k: v for k, v in event.items() if k != "kind"}
+            self.events.add(str(event.get("kind", "checkpoint")), d.round_id, d.world_size, **detail)
+        for record in mail.reports:
+            self.metrics.append(record)
+            if self.on_report is not None:
+                self.on_report(record)
+        if self.timeline is not None:
+            for batch in mail.timeline:
+                self.timeline.add_worker_events(*batch)
+        mail.resumed.clear(), mail.checkpoints.clear(), mail.reports.clear(), mail.timeline.clear()
+        self.progress.update(self.metrics, d.world_size)
 
 
 class ElasticTrainer:
@@ -51,6 +100,17 @@ class ElasticTrainer:
             raise ValueError("ElasticTrainer use_gpu=True, but the Ray cluster has no GPUs; "
                              "set use_gpu=False or connect to a cluster with GPU nodes")
 
+    def _checkpoint_config(self, run_id: str) -> CheckpointConfig | None:
+        if self.config.checkpoint_uri is None:
+            return None
+        every_n, every_s = self.config.checkpoint_cadence
+        return CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last)
+
+    def _newest_checkpoint(self) -> str | None:
+        if self.config.checkpoint_uri is None:
+            return None
+        return CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
+
     def run(self, fn: Callable[[dict], Any], config: dict | None = None,
             on_report: Callable[[dict], None] | None = None) -> Result:
         """Run ``fn(config)`` on every worker until rank 0 of the final ring returns.
@@ -62,82 +122,113 @@ class ElasticTrainer:
             raise TypeError(f"ElasticTrainer.run expects a function fn(config), got {type(fn).__name__}")
         if on_report is not None and not callable(on_report):
             raise TypeError(f"ElasticTrainer.run on_report must be a function of one record, got {on_report!r}")
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"ElasticTrainer.run config must be a dict (passed to fn), got {type(config).__name__}")
         if not ray.is_initialized():
             ray.init()
         self._check_cluster()
-        host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.config.elastic_timeout_s))
+        host = self.config.bind_address or ray.util.get_node_ip_address()
+        server = er.StoreServer(host, timeout_s=max(60.0, self.config.connect_timeout_s))
+        secret = new_secret()
         keys = Keys(f"job-{uuid.uuid4().hex[:8]}")
-        checkpoint = None
-        if self.config.checkpoint_uri is not None:
-            checkpoint = CheckpointConfig(self.config.checkpoint_uri, self.config.checkpoint_every_n_commits,
-                                          self.config.checkpoint_every_s, self.config.checkpoint_keep_last)
-        settings = {"ring_timeout_s": self.config.start_timeout_s + self.config.elastic_timeout_s,
-                    "checkpoint": checkpoint, "use_gpu": self.config.use_gpu,
+        settings = {"driver_silence_s": self.config.heartbeat_timeout_s,
+                    "checkpoint": self._checkpoint_config(keys.job), "use_gpu": self.config.use_gpu,
                     "timeline": self.config.timeline_path is not None}
+        send = Channel(server.store, secret, DRIVER)
+        wakeups: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
+        inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: _acknowledge(send, keys, msg))
         events = EventLog()
-        pool = WorkerPool(self.config, store, host, keys, fn, config or {}, settings, HEARTBEAT_INTERVAL_S)
-        driver = Driver(self.config, pool, host, events)
-        metrics: list[dict] = []
+        pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
+        driver = Driver(self.config, pool, host, events, wakeups)
         progress = ProgressDisplay(self.config.progress)
         timeline = TimelineFile(self.config.timeline_path) if self.config.timeline_path is not None else None
         if timeline is not None:
             timeline.check_writable()
-
-        resumed: list[dict] = []
-        timeline_batches = [0]
+        mailroom = _Mailroom(pool, events, progress, timeline, on_report)
+        cleaner = _RoundKeys(server.store, keys)
 
         def on_tick(d: Driver) -> None:
-            if not resumed and store.check([keys.resumed]):
-                resumed.append(pickle.loads(store.get(keys.resumed)))
-                info = resumed[0]
-                events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info["uri"], seq=info["seq"],
-                           commits=info["meta"].get("commits"), epoch=info.get("epoch"), step=info.get("step"))
-            count = int(store.add(keys.metrics_count, 0))
-            while len(metrics) < count:
-                metrics.append(pickle.loads(store.get(keys.metric(len(metrics) + 1))))
-                if on_report is not None:
-                    on_report(metrics[-1])
-            progress.update(metrics, d.world_size)
-            if timeline is not None:
-                batches = int(store.add(keys.timeline_count, 0))
-                while timeline_batches[0] < batches:
-                    timeline_batches[0] += 1
-                    timeline.add_worker_events(*pickle.loads(store.get(keys.timeline(timeline_batches[0]))))
+            mailroom(d)
+            cleaner.forget_before(d.round_id - 1)
 
         # Demand the autoscaler can see: max_workers worker bundles while the job runs.
         bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
         request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * self.config.max_workers)
-        previous_handler = None
-        if threading.current_thread() is threading.main_thread():
-            # A spot VM gets SIGTERM before it goes: stop at the next commit, written durably.
-            previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: driver.request_stop("SIGTERM"))
+        signals = _Signals(driver)
+        inbox.start()
+        final = None
         try:
             final = driver.run(on_tick)
             on_tick(driver)
             if isinstance(final, Finished):
                 events.add("finished", driver.round_id, driver.world_size)
+        except KeyboardInterrupt:
+            print(f"elastic_ring: interrupted (Ctrl-C): the workers are stopped now; {self._abandoned()}",
+                  file=sys.stderr, flush=True)
+            raise
         finally:
+            signals.restore()
             progress.close()
-            pool.shutdown()
+            inbox.close(lambda: send.send(keys.driver_inbox, "wake"))
+            pool.shutdown("the job ended")
             if timeline is not None:
                 _log.info("timeline written to %s", timeline.write(events.events))
             request_resources(bundles=[])  # cancel the demand, also on failure
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            server.close()
+        if receive.forged or send.forged:
+            _log.warning("%d forged messages were sent to this job's rendezvous store and ignored; see the README's "
+                         "Security section", receive.forged + send.forged)
+        return self._result(final, mailroom, events)
+
+    def _abandoned(self) -> str:
+        newest = self._newest_checkpoint()
+        if newest:
+            return f"training since the newest durable checkpoint ({newest}) is abandoned; run the same script to resume"
+        if self.config.checkpoint_uri is None:
+            return "no checkpoint_uri was set, so all training of this run is abandoned"
+        return "no durable checkpoint was written yet, so all training of this run is abandoned"
+
+    def _result(self, final, mailroom: _Mailroom, events: EventLog) -> Result:
         if isinstance(final, Failed):
             raise final.error
         if isinstance(final, Stopped):
-            newest = (CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
-                      if self.config.checkpoint_uri is not None else None)
+            if final.forced:
+                note = f" ({final.note})" if final.note else ""
+                print(f"elastic_ring: {final.reason}: stopping at once{note}; the workers were killed; "
+                      f"{self._abandoned()}", file=sys.stderr, flush=True)
+                raise SystemExit(1)
+            newest = self._newest_checkpoint()
             saved = (f"the last commit is saved as {newest}; run the same script again to resume" if newest else
                      "no checkpoint_uri was set, so nothing was saved")
-            print(f"elastic_ring: {final.reason} received: training stopped at a commit; {saved}", file=sys.stderr,
-                  flush=True)
+            note = f" ({final.note})" if final.note else ""
+            print(f"elastic_ring: {final.reason} received: training stopped at a commit{note}; {saved}",
+                  file=sys.stderr, flush=True)
             raise SystemExit(0)
         assert isinstance(final, Finished)
-        newest = None
-        if self.config.checkpoint_uri is not None:
-            newest = CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
-        return Result(value=final.value, metrics=metrics, events=list(events.events), checkpoint=newest)
+        return Result(value=final.value, metrics=mailroom.metrics, events=list(events.events),
+                      checkpoint=self._newest_checkpoint())
+
+
+def _acknowledge(send: Channel, keys: Keys, msg: dict) -> None:
+    """Tell a worker waiting at the rendezvous that the driver is alive (from the inbox thread)."""
+    waiting = msg.get("waiting") if msg.get("k") == "hb" else None
+    if isinstance(waiting, int) and waiting > 0:
+        send.send(keys.worker_inbox(msg["from"]), "pending", generation=waiting)
+
+
+class _RoundKeys:
+    """Deletes the store keys (gloo's and NCCL's rendezvous) of rounds that can no longer be formed."""
+
+    def __init__(self, store, keys: Keys) -> None:
+        self._store, self._keys = store, keys
+        self._done = 0
+
+    def forget_before(self, round_id: int) -> None:
+        if round_id <= self._done + 1:
+            return
+        prefixes = tuple(self._keys.round_prefix(r) for r in range(self._done + 1, round_id))
+        for key in self._store.list_keys():
+            if key.startswith(prefixes):
+                self._store.delete_key(key)
+        self._done = round_id - 1

@@ -1,28 +1,34 @@
-"""The driver's effects on Ray: create, observe, answer, notify and kill worker actors.
+"""The driver's effects on Ray and on the workers: create, observe, answer, notify and kill worker actors.
 
-Everything here *does*; nothing decides. The driver's states read the
-records this pool keeps up to date and tell it what to do.
+Everything here *does*; nothing decides. The pool keeps one :class:`WorkerRecord`
+per worker up to date from the workers' messages (:meth:`apply`) and from Ray
+(:meth:`apply_ray`), and does what the driver's states tell it. All times are
+the driver's own monotonic clock.
 """
 
 from __future__ import annotations
 
 import itertools
-import pickle
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-import torch.distributed as dist
 
 import elastic_ring as er
 
+from .channel import Channel
 from .config import TrainerConfig
-from .protocol import STOP, Keys, parse_waiting
+from .decisions import MemberView
+from .protocol import Keys
 from .worker import RingWorker, WorkerError
 
 _RemoteWorker = ray.remote(RingWorker)
+
+START_HINT = ("if the module that defines fn (or something it imports) is missing on the workers, ship it with "
+              "ElasticTrainer(runtime_env={'working_dir': '.'}) or runtime_env={'py_modules': [...]}, or define fn "
+              "in the driver script")
 
 
 @dataclass
@@ -34,18 +40,23 @@ class WorkerRecord:
     created_at: float
     info: dict | None = None
     joined_seq: int | None = None   # order in which it became ready (asked for its first ring)
-    has_state: bool = False         # completed a sync: holds the ring's committed state
+    has_state: bool = False         # completed a sync: holds the job's state
     generation: int = 0             # the generation it last asked a ring for
     reason: str | None = None
     answered: int = 0               # the generation the driver last answered
+    answer: dict | None = None      # that answer (sent again if it got lost)
+    answered_at: float = 0.0
     in_ring: bool = False           # has been given a ring
     dead: bool = False
     cause: str | None = None
     finished: bool = False
     leaving: bool = False           # its node drains: it leaves the ring at the next commit
-    silent_s: float = 0.0           # seconds since its last heartbeat, as of the last poll
+    beat_seq: int = 0               # its heartbeat counter, as last seen
+    beat_at: float | None = None    # when that counter last advanced (driver clock)
+    fault: str | None = None        # what a worker thread reported before it failed
     value: Any = None
     user_error: WorkerError | None = None
+    start_error: str | None = None  # the actor or fn could not even start: a deterministic failure
 
     @property
     def waiting(self) -> bool:
@@ -55,15 +66,35 @@ class WorkerRecord:
     def node_id(self) -> str:
         return self.info["node_id"] if self.info else "?"
 
+    def silent_s(self, now: float) -> float | None:
+        return None if self.beat_at is None else now - self.beat_at
+
+    def view(self, now: float) -> MemberView:
+        return MemberView(self.worker_id, dead=self.dead, finished=self.finished,
+                          waiting=self.reason if self.waiting else None, leaving=self.leaving,
+                          has_state=self.has_state, silent_s=self.silent_s(now))
+
+
+@dataclass
+class Mail:
+    """What the workers sent that the trainer (not the driver's states) consumes."""
+
+    reports: list[dict] = field(default_factory=list)
+    timeline: list[tuple[str, str, list, int]] = field(default_factory=list)
+    resumed: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)
+
 
 class WorkerPool:
-    def __init__(self, config: TrainerConfig, store: dist.TCPStore, store_host: str, keys: Keys,
-                 fn: Callable, fn_config: dict, settings: dict, heartbeat_interval_s: float) -> None:
-        self.config, self.store, self.store_host, self.keys = config, store, store_host, keys
+    def __init__(self, config: TrainerConfig, send: Channel, store_host: str, store_port: int, keys: Keys,
+                 secret: bytes, fn: Callable, fn_config: dict, settings: dict) -> None:
+        self.config, self.send, self.keys = config, send, keys
+        self.store_host, self.store_port, self._secret = store_host, store_port, secret
         self.fn, self.fn_config, self.settings = fn, fn_config, settings
-        self.heartbeat_interval_s = heartbeat_interval_s
         self.records: dict[str, WorkerRecord] = {}
+        self.mail = Mail()
         self._ready_seq = itertools.count()
+        self._by_ref: dict[Any, tuple[str, str]] = {}   # ObjectRef -> (worker id, "info" | "run")
 
     # ------------------------------------------------------------ effects
     def request(self, count: int) -> None:
@@ -76,29 +107,43 @@ class WorkerPool:
         for _ in range(count):
             worker_id = uuid.uuid4().hex[:8]
             actor = _RemoteWorker.options(**options).remote(
-                worker_id, self.store_host, self.store.port, self.keys.job, self.heartbeat_interval_s)
-            self.records[worker_id] = WorkerRecord(
-                worker_id, actor, actor.info.remote(), actor.run.remote(self.fn, self.fn_config, self.settings),
-                created_at=time.monotonic())
+                worker_id, self.store_host, self.store_port, self.keys.job, self._secret,
+                self.config.heartbeat_interval_s, self.config.connect_timeout_s)
+            record = WorkerRecord(worker_id, actor, actor.info.remote(),
+                                  actor.run.remote(self.fn, self.fn_config, self.settings), created_at=time.monotonic())
+            self.records[worker_id] = record
+            self._by_ref[record.info_ref] = (worker_id, "info")
+            self._by_ref[record.run_ref] = (worker_id, "run")
 
-    def answer(self, record: WorkerRecord, spec: er.RingSpec) -> None:
-        self.store.set(self.keys.ring(record.worker_id, record.generation), pickle.dumps(spec))
-        record.answered = record.generation
-        record.in_ring = True
+    def watched_refs(self) -> list[Any]:
+        """The Ray object refs whose completion changes a record (for the driver's Ray watcher)."""
+        return list(self._by_ref)
 
-    def stop_waiting(self) -> None:
-        for record in self.live():
-            self.stop(record)
+    def _deliver(self, record: WorkerRecord, answer: dict) -> None:
+        self.send.send(self.keys.worker_inbox(record.worker_id), answer.pop("k"), **answer)
 
-    def notify_membership_change(self, records: list[WorkerRecord], persist: bool = False) -> None:
-        for record in records:
-            record.actor.request_membership_change.remote(persist)
+    def answer(self, record: WorkerRecord, spec: er.RingSpec, stop: bool = False) -> None:
+        record.answer = {"k": "ring", "generation": record.generation, "spec": spec.to_wire(), "stop": stop}
+        self._deliver(record, dict(record.answer))
+        record.answered, record.answered_at, record.in_ring = record.generation, time.monotonic(), True
 
-    def stop(self, record: WorkerRecord) -> None:
-        """Answer a waiting worker with STOP: its run returns (it leaves the job)."""
+    def stop(self, record: WorkerRecord, why: str) -> None:
+        """Answer a waiting worker with stop: its run returns (it leaves the job)."""
         if record.waiting:
-            self.store.set(self.keys.ring(record.worker_id, record.generation), STOP)
-            record.answered = record.generation
+            record.answer = {"k": "stop", "generation": record.generation, "why": why}
+            self._deliver(record, dict(record.answer))
+            record.answered, record.answered_at = record.generation, time.monotonic()
+
+    def stop_waiting(self, why: str) -> None:
+        for record in self.live():
+            self.stop(record, why)
+
+    def notify(self, records: list[WorkerRecord], round_id: int, change: bool = False, persist: bool = False,
+               stop: bool = False) -> None:
+        """Tell ``records`` (through Ray) what round ``round_id`` must do at its next commit."""
+        for record in records:
+            if not record.dead:
+                record.actor.notify.remote(round_id, change, persist, stop)
 
     @staticmethod
     def draining_nodes() -> dict[str, int]:
@@ -108,11 +153,18 @@ class WorkerPool:
 
     def kill(self, record: WorkerRecord, cause: str) -> None:
         if not record.dead:
+            if record.fault:
+                cause = f"{cause}; it reported: {record.fault}"
             ray.kill(record.actor, no_restart=True)
             record.dead, record.cause = True, cause
 
-    def shutdown(self) -> None:
-        self.stop_waiting()
+    def shutdown(self, why: str) -> None:
+        for record in self.live():
+            if record.waiting:
+                try:
+                    self.stop(record, why)
+                except (RuntimeError, OSError):
+                    pass  # the store is gone; the kill below ends the worker anyway
         for record in self.records.values():
             if not record.dead:
                 ray.kill(record.actor, no_restart=True)
@@ -124,48 +176,91 @@ class WorkerPool:
         node has finished and no longer counts against max_workers)."""
         return [r for r in self.records.values() if not r.dead and not r.finished]
 
-    def poll(self) -> None:
-        """Bring every record up to date: started, asking for a ring, finished, dead, silent."""
-        now = time.time()
-        for record in self.live():
-            if record.info is None and ray.wait([record.info_ref], timeout=0)[0]:
-                try:
-                    record.info = ray.get(record.info_ref)
-                except ray.exceptions.RayError as exc:
-                    record.dead, record.cause = True, f"did not start: {exc}"
-                    continue
-            if not record.finished and ray.wait([record.run_ref], timeout=0)[0]:
-                try:
-                    record.value = ray.get(record.run_ref)
-                    record.finished = True
-                    if record.leaving:  # it left its draining node: free the slot at once
-                        ray.kill(record.actor, no_restart=True)
-                except ray.exceptions.RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, WorkerError):
-                        record.user_error = cause
-                        record.finished = True
-                    else:
-                        record.dead, record.cause = True, f"run failed: {exc}"
-                        continue
-                except ray.exceptions.RayError as exc:  # the actor or its node died
-                    record.dead, record.cause = True, f"process lost: {type(exc).__name__}"
-                    continue
-            if record.info is None or record.finished:
+    def apply(self, msg: dict) -> None:
+        """Bring a record up to date with one of its worker's (authenticated) messages."""
+        record = self.records.get(msg["from"])
+        if record is None or record.dead:
+            return
+        kind, now = msg["k"], time.monotonic()
+        if kind == "hb":
+            if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
+                record.beat_seq, record.beat_at = msg["seq"], now
+            waiting = msg.get("waiting")
+            if isinstance(waiting, int) and waiting > 0:
+                self._note_request(record, waiting, msg.get("reason"))
+                if waiting == record.answered and record.answer is not None and \
+                        now - record.answered_at > 2 * self.config.heartbeat_interval_s:
+                    self._deliver(record, dict(record.answer))  # the answer got lost: send it again
+                    record.answered_at = now
+        elif kind == "ring_request":
+            self._note_request(record, msg.get("generation"), msg.get("reason"))
+        elif kind == "synced":
+            record.has_state = True
+        elif kind == "report" and isinstance(msg.get("record"), dict):
+            self.mail.reports.append({**msg["record"], "driver_time": time.time()})
+        elif kind == "timeline" and isinstance(msg.get("events"), list):
+            self.mail.timeline.append((record.worker_id, str(msg.get("host")), msg["events"], int(msg.get("dropped") or 0)))
+        elif kind == "resumed" and isinstance(msg.get("info"), dict):
+            self.mail.resumed.append(msg["info"])
+        elif kind == "checkpoint" and isinstance(msg.get("event"), dict):
+            self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
+        elif kind == "fault":
+            record.fault = f"{msg.get('what')}: {msg.get('error')}"
+
+    def _note_request(self, record: WorkerRecord, generation: Any, reason: Any) -> None:
+        if isinstance(generation, int) and generation > record.generation and \
+                reason in ("start", "failure", "membership"):
+            record.generation, record.reason = generation, reason
+            if record.joined_seq is None:
+                record.joined_seq = next(self._ready_seq)
+
+    def apply_ray(self, refs: list[Any]) -> None:
+        """Bring records up to date with Ray object refs that completed (actor started, run ended)."""
+        for ref in refs:
+            owner = self._by_ref.pop(ref, None)
+            if owner is None:
                 continue
-            waiting_key = self.keys.waiting(record.worker_id)
-            if self.store.check([waiting_key]):
-                generation, reason = parse_waiting(self.store.get(waiting_key))
-                if generation > record.generation:
-                    record.generation, record.reason = generation, reason
-                    if record.joined_seq is None:
-                        record.joined_seq = next(self._ready_seq)
-            if not record.has_state and self.store.check([self.keys.synced(record.worker_id)]):
-                record.has_state = True
-            heartbeat_key = self.keys.heartbeat(record.worker_id)
-            if self.store.check([heartbeat_key]):
-                silent_s = now - float(self.store.get(heartbeat_key))
-                record.silent_s = silent_s
-                if silent_s > self.config.heartbeat_timeout_s:
-                    self.kill(record, f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s="
-                                      f"{self.config.heartbeat_timeout_s})")
+            record = self.records[owner[0]]
+            if owner[1] == "info":
+                self._started(record, ref)
+            else:
+                self._ended(record, ref)
+
+    def _started(self, record: WorkerRecord, ref: Any) -> None:
+        try:
+            record.info = ray.get(ref)
+            record.beat_at = time.monotonic()  # it heartbeats from its constructor on
+        except ray.exceptions.RayActorError as exc:
+            if record.dead:
+                return
+            text = str(exc)
+            record.dead, record.cause = True, f"did not start: {_first_lines(text)}"
+            if "Traceback" in text or "Error" in text.split("\n", 1)[0]:
+                record.start_error = _first_lines(text, 12)
+        except ray.exceptions.RayError as exc:
+            record.dead, record.cause = True, f"did not start: {type(exc).__name__}: {_first_lines(str(exc))}"
+
+    def _ended(self, record: WorkerRecord, ref: Any) -> None:
+        try:
+            record.value = ray.get(ref)
+            record.finished = True
+            if record.leaving and not record.dead:  # it left its draining node: free the slot at once
+                ray.kill(record.actor, no_restart=True)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, WorkerError):
+                record.user_error, record.finished = cause, True
+            elif record.info is None or not record.in_ring and record.generation == 0:
+                # fn never started: its arguments could not be loaded (e.g. its module is missing there)
+                record.dead, record.cause = True, f"could not run fn: {_first_lines(str(exc))}"
+                record.start_error = _first_lines(str(exc), 12)
+            else:
+                record.dead, record.cause = True, f"run failed: {_first_lines(str(exc))}"
+        except ray.exceptions.RayError as exc:  # the actor or its node died
+            if not record.dead:
+                record.dead, record.cause = True, f"process lost: {type(exc).__name__}"
+
+
+def _first_lines(text: str, n: int = 3) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[-n:]) if "Traceback" in text else "\n".join(lines[:n])

@@ -1,18 +1,26 @@
-"""The pending-membership-change flag that the worker runtime raises and ``commit()`` consumes.
+"""Membership notices, tagged with the round they are for, that ``commit()`` agrees on.
 
-The Ray worker runtime (or a test) calls :func:`request_membership_change` on a
-rank, from any thread, when the driver decides the ring must change (a worker
-joins, a node drains). At its next ``commit()`` every rank learns of it in the
-same small collective and raises :class:`elastic_ring.MembershipChanged`.
+The Ray worker runtime (or a test) posts a notice on a rank, from any thread,
+when the driver decides something about the current ring: re-form at the next
+commit (a worker joins, a node drains), also write that commit durably
+(``persist``), or stop at it (``stop``: the job ends). At its next ``commit()``
+every rank learns of it in the same small collective and raises
+:class:`elastic_ring.MembershipChanged` or :class:`TrainingStopped`.
+
+Every notice names the round it is for. A commit looks only at notices for
+the ring's current round and consumes them; a notice for an older round is
+dropped (the driver already acted on that round: no needless re-form), and one
+for a later round waits for that round. Nothing is lost between the agreement
+and the clearing either: the driver re-decides everything (joiners, leavers,
+a pending stop) whenever it forms the next round, and tells the new round.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
-_pending = threading.Event()
-_persist = threading.Event()
-_stop = threading.Event()
+import elastic_ring as er
 
 
 class TrainingStopped(Exception):
@@ -21,33 +29,84 @@ class TrainingStopped(Exception):
     durable. The elastic loop lets it through; the worker runtime ends quietly."""
 
 
-def request_stop() -> None:
-    """Ask every rank to stop at the next commit, after writing it durably (thread-safe)."""
-    _stop.set()
+@dataclass(frozen=True)
+class Notice:
+    """What the driver asks of one round's ring at its next commit."""
+
+    round_id: int
+    change: bool = False    # re-form at the next commit
+    persist: bool = False   # write that commit durably first
+    stop: bool = False      # the job ends at that commit (written durably)
+
+    def merged(self, other: "Notice") -> "Notice":
+        return Notice(self.round_id, self.change or other.change, self.persist or other.persist,
+                      self.stop or other.stop)
 
 
-def stop_requested() -> bool:
-    return _stop.is_set()
+_lock = threading.Lock()
+_notices: dict[int, Notice] = {}
 
 
-def request_membership_change(persist: bool = False) -> None:
-    """Ask every rank to re-form at the next commit (thread-safe). With ``persist``,
-    that commit is also written durably before re-forming (e.g. a node drains and
-    the remaining ring would fall below ``min_workers``)."""
-    if persist:
-        _persist.set()
-    _pending.set()
+def _current_round() -> int:
+    comm = er.runtime.current_or_none()
+    return comm.spec.round_id if comm is not None else 0
+
+
+def post(notice: Notice) -> None:
+    """Record ``notice`` (thread-safe); flags for one round accumulate."""
+    if not isinstance(notice, Notice):
+        raise TypeError(f"post expects a Notice, got {type(notice).__name__}")
+    with _lock:
+        previous = _notices.get(notice.round_id)
+        _notices[notice.round_id] = notice if previous is None else previous.merged(notice)
+
+
+def pending(round_id: int | None = None) -> Notice:
+    """The notice for ``round_id`` (default: the current ring's round); older notices are dropped."""
+    round_id = _current_round() if round_id is None else round_id
+    with _lock:
+        for stale in [r for r in _notices if r < round_id]:
+            del _notices[stale]
+        return _notices.get(round_id, Notice(round_id))
+
+
+def consume(round_id: int | None = None) -> None:
+    """Drop the notices for ``round_id`` (default: the current round) and older ones."""
+    round_id = _current_round() if round_id is None else round_id
+    with _lock:
+        for done in [r for r in _notices if r <= round_id]:
+            del _notices[done]
+
+
+def reset() -> None:
+    """Forget every notice (a worker does this before it runs a new job)."""
+    with _lock:
+        _notices.clear()
+
+
+# The commit's view, for the current round ------------------------------------------------------------------
+def request_membership_change(persist: bool = False, round_id: int | None = None) -> None:
+    """Ask every rank to re-form at the next commit of ``round_id`` (default: the current round)."""
+    post(Notice(_current_round() if round_id is None else round_id, change=True, persist=persist))
+
+
+def request_stop(round_id: int | None = None) -> None:
+    """Ask every rank to stop at the next commit of ``round_id`` (default: the current round), written durably."""
+    post(Notice(_current_round() if round_id is None else round_id, stop=True, persist=True))
 
 
 def membership_change_requested() -> bool:
-    return _pending.is_set()
+    return pending().change
 
 
 def persist_requested() -> bool:
-    return _persist.is_set()
+    return pending().persist
+
+
+def stop_requested() -> bool:
+    return pending().stop
 
 
 def clear_membership_change() -> None:
-    _pending.clear()
-    _persist.clear()
-    _stop.clear()
+    """Consume the current round's notices (after every rank agreed on them at a commit)."""
+    consume()

@@ -95,7 +95,9 @@ def test_gpus_on_a_cluster_without_gpus_fail_fast(ray_session):
 
 
 def test_impossible_resources_fail_after_start_timeout_with_advice(ray_session):
-    with pytest.raises(RunFailed, match=r"only 0 of min_workers=1 workers started within start_timeout_s=3.*unicorn=1"):
+    with pytest.raises(RunFailed, match=r"only 0 of min_workers=1 workers started within start_timeout_s=3: 1 worker "
+                                        r"actor\(s\) are still waiting for resources the cluster lacks: unicorn "
+                                        r"\(each worker needs 1; the cluster has 0, 0 free\)"):
         ElasticTrainer(min_workers=1, max_workers=1, resources_per_worker={"unicorn": 1}, start_timeout_s=3,
                        progress=False).run(ray_jobs.train)
 

@@ -1,0 +1,133 @@
+"""Sealed JSON messages through the rendezvous store's queues (see :mod:`.protocol`).
+
+* :class:`Channel` sends (with bounded retries and backoff on store errors) and
+  receives with a deadline (a blocking ``queue_pop``: no polling).
+* A message whose MAC does not check is dropped and counted, never decoded; so
+  is a message number already seen from its sender (a replay).
+* :class:`Inbox` is the driver's receiver: a thread that blocks on the driver's
+  queue and hands verified messages to the driver loop. It captures every
+  exception and hands it over too, so a dead inbox ends the run with its cause
+  instead of leaving the driver waiting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from elastic_ring.auth import seal_json, unseal_json
+from elastic_ring.errors import AuthenticationError
+
+T = TypeVar("T")
+
+#: Store operations are retried this many times, backing off from RETRY_BASE_S up to RETRY_CAP_S.
+RETRIES = 5
+RETRY_BASE_S = 0.05
+RETRY_CAP_S = 1.0
+
+
+def with_retries(op: Callable[[], T], what: str, retries: int = RETRIES) -> T:
+    """``op()``, retried on store errors with exponential backoff; the last error is re-raised with ``what``."""
+    delay = RETRY_BASE_S
+    for attempt in range(retries + 1):
+        try:
+            return op()
+        except (RuntimeError, OSError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+            if attempt == retries:
+                raise type(exc)(f"{what} failed after {retries + 1} attempts: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, RETRY_CAP_S)
+    raise AssertionError("unreachable")
+
+
+class Channel:
+    """One party's sealed messages. ``store`` must not be shared with a thread that blocks on it."""
+
+    def __init__(self, store: dist.Store, secret: bytes, sender: str) -> None:
+        self._store, self._secret, self.sender = store, secret, sender
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._seen: dict[str, int] = {}
+        self.forged = 0
+
+    def send(self, queue_key: str, kind: str, **fields: Any) -> None:
+        with self._lock:
+            self._sent += 1
+            text = seal_json(self._secret, queue_key, {"from": self.sender, "n": self._sent, "k": kind, **fields})
+            with_retries(lambda: self._store.queue_push(queue_key, text), f"sending {kind} to {queue_key}")
+
+    def verify(self, queue_key: str, raw: bytes) -> dict | None:
+        """The message in ``raw`` if it is genuine and new, else None (forgeries are counted)."""
+        try:
+            msg = unseal_json(self._secret, queue_key, raw)
+        except (AuthenticationError, ValueError):
+            self.forged += 1
+            return None
+        if not isinstance(msg, dict) or not isinstance(msg.get("n"), int) or not isinstance(msg.get("from"), str):
+            self.forged += 1
+            return None
+        if msg["n"] <= self._seen.get(msg["from"], 0):
+            return None  # a replay, or a duplicate
+        self._seen[msg["from"]] = msg["n"]
+        return msg
+
+    def receive(self, queue_key: str, timeout_s: float) -> dict | None:
+        """The next genuine message on ``queue_key``, or None when ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._store.set_timeout(datetime.timedelta(seconds=remaining))
+            try:
+                raw = self._store.queue_pop(queue_key)
+            except dist.DistStoreError:
+                if time.monotonic() >= deadline - 0.01:
+                    return None  # the wait timed out
+                raise
+            msg = self.verify(queue_key, raw)
+            if msg is not None:
+                return msg
+
+
+class Inbox:
+    """The driver's receiving thread: verified messages (and its own failure) go to ``sink``;
+    ``on_message(msg)`` runs on the thread for each (the driver acknowledges waiting workers there)."""
+
+    #: The blocking pop's timeout; it only bounds how long one wait lasts (a timeout just waits again).
+    WAIT_S = 3600.0
+
+    def __init__(self, channel: Channel, queue_key: str, sink: "queue.Queue[tuple[str, Any]]",
+                 on_message: Callable[[dict], None] | None = None) -> None:
+        self._channel, self._key, self._sink, self._on_message = channel, queue_key, sink, on_message
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-ring-driver-inbox", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                msg = self._channel.receive(self._key, self.WAIT_S)
+                if msg is not None and not self._closing.is_set():
+                    self._sink.put(("msg", msg))
+                    if self._on_message is not None:
+                        self._on_message(msg)
+        except BaseException as exc:  # handed to the driver loop, which ends the run with it
+            if not self._closing.is_set():
+                self._sink.put(("error", RuntimeError(f"the driver's message inbox failed: {type(exc).__name__}: {exc}")))
+
+    def close(self, wake: Callable[[], None]) -> None:
+        """Stop the thread; ``wake()`` must push any message to the inbox's queue to end a blocked pop."""
+        self._closing.set()
+        try:
+            wake()
+        except (RuntimeError, OSError):
+            pass  # the store is already gone: the blocked pop has failed too
+        self._thread.join(5)

@@ -1,0 +1,87 @@
+"""The elastic loop's rendezvous on a worker: ask the driver for the next ring, wait for its answer.
+
+The request goes to the driver's queue; the answer comes on this worker's own
+queue, waited for with a blocking pop and a deadline (no polling). While it
+waits, the worker's heartbeats repeat which generation it waits for, so a
+request or an answer that never arrived is recovered (the driver answers again),
+and the driver acknowledges each of them (``pending``). The wait ends with
+:class:`~elastic_ring.RendezvousError` after ``silence_s`` without any word
+from the driver: a joiner may wait long for the ring's next commit, but never
+for a driver that is gone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import elastic_ring as er
+from state import membership
+
+from .channel import Channel
+from .protocol import Keys
+
+
+class JobStopped(er.RingStopped):
+    """The driver ended this worker's part in the job while it waited for a ring."""
+
+
+class WorkerRendezvous:
+    def __init__(self, send: Channel, receive: Channel, keys: Keys, worker_id: str, secret: bytes,
+                 silence_s: float) -> None:
+        self._send, self._receive, self._keys = send, receive, keys
+        self._id, self._secret, self._silence_s = worker_id, secret, silence_s
+        self.generation = 0
+        self.waiting: tuple[int, str] | None = None  # (generation, reason) while at the rendezvous
+        self._synced_rounds: set[int] = set()
+
+    def next_ring(self, reason: str) -> er.RingSpec:
+        self.generation += 1
+        generation = self.generation
+        self.waiting = (generation, reason)
+        try:
+            self._send.send(self._keys.driver_inbox, "ring_request", generation=generation, reason=reason)
+            return self._await_answer(generation, reason)
+        finally:
+            self.waiting = None
+
+    def _await_answer(self, generation: int, reason: str) -> er.RingSpec:
+        deadline = time.monotonic() + self._silence_s
+        inbox = self._keys.worker_inbox(self._id)
+        while True:
+            try:
+                msg = self._receive.receive(inbox, max(0.0, deadline - time.monotonic()))
+            except (RuntimeError, OSError) as exc:
+                raise er.RendezvousError(f"worker {self._id} lost the driver's rendezvous store while waiting for "
+                                         f"ring {generation} ({reason}): {exc}; the driver process probably "
+                                         "ended") from exc
+            if msg is None:
+                raise er.RendezvousError(
+                    f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
+                    f"while waiting for ring {generation} ({reason}); the driver is stuck or its messages are lost")
+            if msg.get("generation") != generation or msg.get("from") != "driver":
+                continue  # an answer to an earlier request
+            if msg["k"] == "pending":
+                deadline = time.monotonic() + self._silence_s
+                continue
+            if msg["k"] == "stop":
+                raise JobStopped(f"worker {self._id}: {msg.get('why', 'the driver ended the job')}")
+            if msg["k"] != "ring":
+                continue
+            try:
+                spec = er.RingSpec.from_wire(msg["spec"], self._secret)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise er.RendezvousError(f"worker {self._id}: the driver's ring answer is invalid: {exc}") from exc
+            if msg.get("stop"):
+                membership.post(membership.Notice(spec.round_id, stop=True, persist=True))
+            return spec
+
+    def synced(self) -> None:
+        """This worker holds the job's state now (the driver roots rings only at such workers)."""
+        round_id = er.round_id()
+        if round_id not in self._synced_rounds:
+            self._synced_rounds.add(round_id)
+            self._send.send(self._keys.driver_inbox, "synced", round=round_id)
+
+    def stop_pending(self) -> bool:
+        """The job stops in this round (the driver said so with the ring)."""
+        return membership.pending().stop
