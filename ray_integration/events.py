@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from elastic_ring.log import get_logger
 
@@ -24,11 +24,14 @@ class Event:
 
 
 class EventLog:
-    def __init__(self) -> None:
+    def __init__(self, listener: Callable[[Event], None] | None = None) -> None:
         self.events: list[Event] = []
+        self._listener = listener
 
     def add(self, kind: str, round_id: int | None, world_size: int | None, **detail: Any) -> Event:
         event = Event(kind, round_id, world_size, detail=detail)
         self.events.append(event)
         _log.info("[driver round %s world %s] %s %s", round_id, world_size, kind, detail or "")
+        if self._listener is not None:
+            self._listener(event)  # an exception here ends the run (it is the caller's on_event)
         return event

@@ -112,16 +112,18 @@ class ElasticTrainer:
         return CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
 
     def run(self, fn: Callable[[dict], Any], config: dict | None = None,
-            on_report: Callable[[dict], None] | None = None) -> Result:
+            on_report: Callable[[dict], None] | None = None, on_event: Callable[[Event], None] | None = None) -> Result:
         """Run ``fn(config)`` on every worker until rank 0 of the final ring returns.
 
         ``on_report(record)``, if given, is called on the driver with each of rank 0's ``er.report``
-        records as it arrives (live logging, or reacting to progress); an exception in it ends the run.
+        records as it arrives (live logging, or reacting to progress); ``on_event(event)`` with each
+        membership event (:class:`Event`) as it happens. An exception in either ends the run.
         """
         if not callable(fn):
             raise TypeError(f"ElasticTrainer.run expects a function fn(config), got {type(fn).__name__}")
-        if on_report is not None and not callable(on_report):
-            raise TypeError(f"ElasticTrainer.run on_report must be a function of one record, got {on_report!r}")
+        for name, callback in (("on_report", on_report), ("on_event", on_event)):
+            if callback is not None and not callable(callback):
+                raise TypeError(f"ElasticTrainer.run {name} must be a function of one argument, got {callback!r}")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"ElasticTrainer.run config must be a dict (passed to fn), got {type(config).__name__}")
         if not ray.is_initialized():
@@ -138,7 +140,7 @@ class ElasticTrainer:
         wakeups: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
         inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: _acknowledge(send, keys, msg))
-        events = EventLog()
+        events = EventLog(on_event)
         pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
         driver = Driver(self.config, pool, host, events, wakeups)
         progress = ProgressDisplay(self.config.progress)

@@ -42,6 +42,9 @@ class WorkerError(RuntimeError):
 
 def _describe_failure(exc: BaseException) -> str:
     """What to call a failure of fn, with the fix when we know it."""
+    if isinstance(exc, er.AuthenticationError):
+        return ("a value read from the job's rendezvous store or a peer failed authentication (something that is not "
+                "part of the job writes to its store or sockets; see the README's Security section)")
     if isinstance(exc, er.RendezvousError):
         return "the rendezvous with the driver failed"
     if isinstance(exc, er.CommError):

@@ -16,7 +16,15 @@ process that holds that rank:
 * ``kill_in_reform``: in the reset callback, after the new ring is formed and
   before the state is synced (peers are re-forming);
 * ``kill_in_sync``: on the root, while it serializes the state for a joiner
-  (armed at a re-form that brought a joiner, if two ranks hold the state).
+  (armed at a re-form that brought a joiner, if two ranks hold the state);
+* ``kill_in_join``: in the reset callback of a re-form that brought a joiner
+  (a death during a membership re-form, before the sync);
+* ``kill_at_end``: after the last collective, just before ``fn`` returns (the
+  other ranks return: the job must finish, not re-form).
+
+``clock_skew_s`` in the config shifts every worker's wall clock (``time.time``)
+by plus or minus that many seconds (by the parity of its pid), as on hosts whose
+clocks disagree. Every rank writes its pid to ``pid-rank{r}`` for the test.
 
 The job stops at the first epoch end after the test writes the stop file, so
 that it outlasts any storm; the final epoch count goes into the closed form.
@@ -98,8 +106,23 @@ class FaultFile:
         return os.path.exists(os.path.join(self.dir, "stop"))
 
 
+def _skew_clock(seconds: float) -> None:
+    real = time.time
+    offset = seconds if os.getpid() % 2 else -seconds
+    time.time = lambda: real() + offset
+
+
+def _write_pid(directory: str) -> None:
+    tmp = os.path.join(directory, f"pid.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(directory, f"pid-rank{er.rank()}"))
+
+
 def train(config: dict):
     global _ARMED
+    if config.get("clock_skew_s"):
+        _skew_clock(config["clock_skew_s"])
     faults = FaultFile(config["chaos_dir"])
     vectors = torch.stack([sample_vector(i) for i in range(N_SAMPLES)])
     holder = torch.nn.Module()
@@ -120,6 +143,9 @@ def train(config: dict):
             _ARMED = "sync"
             if not faults.claim(fault):
                 _ARMED = None
+        fault = faults.pending(("kill_in_join",), er.rank())
+        if fault and 2 <= holding < er.size() and faults.claim(fault):  # a membership re-form with a joiner
+            _die()
 
     state.register_reset_callbacks([on_reset])
 
@@ -127,6 +153,7 @@ def train(config: dict):
     def loop(state):
         global _ARMED
         _ARMED = None  # the sync is over
+        _write_pid(config["chaos_dir"])
         while True:
             for batch in state.sampler:
                 fault = faults.pending(("sigkill", "sigstop"), er.rank())
@@ -141,6 +168,7 @@ def train(config: dict):
                 state.seen = state.seen + er.allreduce(hits, op=er.Sum)
                 state.sampler.record_batch()
                 state.step += 1
+                er.report(step=state.step, epoch=state.epoch)
                 if er.rank() == 0:
                     tmp = os.path.join(config["chaos_dir"], f"progress.tmp{os.getpid()}")
                     with open(tmp, "w") as f:
@@ -161,6 +189,9 @@ def train(config: dict):
             if stop and state.epoch >= config.get("min_epochs", 1):
                 break
         every = er.allgather_object(holder.w.detach().clone())
+        fault = faults.pending(("kill_at_end",), er.rank())
+        if fault and faults.claim(fault):
+            _die()
         return {"epochs": state.epoch, "step": state.step, "w": holder.w.detach().tolist(),
                 "exact": torch.equal(holder.w.detach(), expected_w(state.epoch)),
                 "identical": all(torch.equal(every[0], other) for other in every),

@@ -41,7 +41,8 @@ def test_fn_that_never_commits_finishes_and_is_told_to_commit(ray_session, monke
 
 
 def test_worker_stuck_in_user_code_is_killed_after_collective_timeout(ray_session):
-    result = ElasticTrainer(min_workers=2, max_workers=2, collective_timeout_s=2, progress=False).run(
+    result = ElasticTrainer(min_workers=2, max_workers=2, collective_timeout_s=2, connect_timeout_s=3,
+                            progress=False).run(
         ray_jobs.train, config={"epochs": 2, "faults": [(1, 1, 4, "hang")], "step_delay_s": 0.02})
     lost = [e for e in result.events if e.kind == "worker_lost"]
     assert len(lost) == 1 and "stuck in user code" in lost[0].detail["cause"], lost
