@@ -22,8 +22,10 @@ from elastic_ring.log import get_logger
 
 _log = get_logger(__name__)
 
-#: Bytes handed to the file system per write, and read per chunk when hashing.
+#: Bytes handed to the file system per write (slices of torch's buffers: no copy).
 CHUNK_BYTES = 8 << 20
+#: Bytes read per chunk when hashing a file (one reused buffer).
+READ_CHUNK_BYTES = 1 << 20
 
 
 class HashingWriter:
@@ -33,13 +35,21 @@ class HashingWriter:
         self._f = f
         self._sha = hashlib.sha256()
         self.size = 0
+        #: The first error of the file's write(): torch.save's C++ writer replaces it with its own
+        #: ("unexpected pos ..."), so the caller re-raises this one (e.g. ENOSPC) instead.
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        for start in range(0, len(view), CHUNK_BYTES):
-            chunk = view[start:start + CHUNK_BYTES]
-            self._sha.update(chunk)
-            self._f.write(chunk)
+        try:
+            for start in range(0, len(view), CHUNK_BYTES):
+                chunk = view[start:start + CHUNK_BYTES]
+                self._sha.update(chunk)
+                self._f.write(chunk)
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
         self.size += len(view)
         return len(view)
 
@@ -159,13 +169,15 @@ class Location:
     def sha256(self, path: str) -> tuple[int, str]:
         """Size and sha256 of ``path``, read in chunks (never whole into memory)."""
         sha, size = hashlib.sha256(), 0
+        buffer = bytearray(READ_CHUNK_BYTES)
+        view = memoryview(buffer)
         with self.fs.open(path, "rb") as f:
             while True:
-                chunk = f.read(CHUNK_BYTES)
-                if not chunk:
+                n = f.readinto(buffer)
+                if not n:
                     return size, sha.hexdigest()
-                sha.update(chunk)
-                size += len(chunk)
+                sha.update(view[:n])
+                size += n
 
     def size(self, path: str) -> int:
         return int(self.fs.size(path))

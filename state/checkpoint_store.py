@@ -116,13 +116,15 @@ class CheckpointStore:
             seq = self._claim()
             directory = self._dir(seq)
             size, digest = self._write_data(f"{directory}/{DATA}", tree)
+            self._verify_data(seq, size, digest)
             if not self.trusted:
                 self._check_safe(f"{directory}/{DATA}")
             manifest = {"format": FORMAT, "seq": seq, "run_id": self.run_id, "created_unix_s": time.time(),
                         "files": {DATA: {"bytes": size, "sha256": digest}}, "meta": meta or {}}
             body = json.dumps(manifest, indent=1).encode()
             self.loc.write_small(f"{directory}/{MANIFEST}", body)
-            self._verify(seq, body, size, digest)
+            if self.loc.read_bytes(f"{directory}/{MANIFEST}") != body:
+                raise CheckpointCorrupt(f"{self._url(directory)}/{MANIFEST} reads back different from what was written")
         except Exception as exc:  # every failure: clean up what this write left, then say what happened
             if seq is not None:
                 self._discard(seq)
@@ -180,7 +182,14 @@ class CheckpointStore:
     def _write_data(self, path: str, tree: Any) -> tuple[int, str]:
         with self.loc.fs.open(path, "wb") as f:
             writer = HashingWriter(f)
-            torch.save(tree, writer)
+            try:
+                torch.save(tree, writer)
+            except Exception as exc:
+                if writer.error is not None and writer.error is not exc:
+                    raise writer.error from exc  # the storage's own error (ENOSPC...), not torch's wrapper
+                raise
+            if writer.error is not None:
+                raise writer.error
             self.loc.fsync_file(f)
         self.loc.fsync_dir(path.rsplit("/", 1)[0])
         return writer.size, writer.hexdigest()
@@ -193,10 +202,9 @@ class CheckpointStore:
                                     "this checkpoint could never be resumed by default; keep tensors, numbers, strings, "
                                     f"containers and objects with state_dict() in the state, or, {_TRUST_FIX}")
 
-    def _verify(self, seq: int, body: bytes, size: int, digest: str) -> None:
+    def _verify_data(self, seq: int, size: int, digest: str) -> None:
+        """Read the data back (streamed) before it is published: storage that corrupts fails the write."""
         directory = self._dir(seq)
-        if self.loc.read_bytes(f"{directory}/{MANIFEST}") != body:
-            raise CheckpointCorrupt(f"{self._url(directory)}/{MANIFEST} reads back different from what was written")
         got_size, got_digest = self.loc.sha256(f"{directory}/{DATA}")
         if (got_size, got_digest) != (size, digest):
             raise CheckpointCorrupt(f"{self._url(directory)}/{DATA} reads back as {got_size} bytes with another "
