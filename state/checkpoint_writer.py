@@ -248,9 +248,10 @@ def flush_checkpoints(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> str | None:
 
 @atexit.register
 def _flush_at_exit() -> None:
-    if not list(_writers):
-        return
-    try:
-        flush_checkpoints(EXIT_FLUSH_TIMEOUT_S)
-    except CheckpointError as exc:
-        _log.error("at exit: %s", exc)
+    """Writes still waiting or in flight when the interpreter exits get a bounded chance to finish."""
+    deadline = time.monotonic() + EXIT_FLUSH_TIMEOUT_S
+    for writer in [w for w in list(_writers) if w.busy or w._waiting is not None]:
+        try:
+            writer.flush(_remaining(deadline))
+        except CheckpointError as exc:
+            _log.error("at exit: %s", exc)
