@@ -88,6 +88,8 @@ class Location:
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
     def exists(self, path: str) -> bool:
+        if not self.local:
+            self.fs.invalidate_cache(path.rsplit("/", 1)[0])  # never answer from a stale listing
         return self.fs.exists(path)
 
     def makedirs(self, path: str) -> None:
@@ -113,8 +115,11 @@ class Location:
     # ------------------------------------------------------------ small files
     def read_bytes(self, path: str, limit: int = 1 << 20) -> bytes:
         """A small file's bytes (manifests, claims, leases); refuses files over ``limit`` bytes."""
-        with self.fs.open(path, "rb") as f:
-            data = f.read(limit + 1)
+        if self.local:
+            with self.fs.open(path, "rb") as f:
+                data = f.read(limit + 1)
+        else:  # one GET: an open file would pin the object's ETag and fail if a renewal replaced it meanwhile
+            data = self.fs.cat_file(path)
         if len(data) > limit:
             raise ValueError(f"{self.url(path)} is over {limit} bytes, too large for a manifest or lease")
         return data
