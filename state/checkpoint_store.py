@@ -142,8 +142,8 @@ class CheckpointStore:
         try:
             newest = self.complete()
             previous = f"checkpoint {newest[-1]} is still the newest" if newest else "there is no earlier checkpoint"
-        except OSError as list_exc:
-            previous = f"the location cannot be listed either ({list_exc})"
+        except Exception as list_exc:  # the storage is failing as a whole: say so, keep the write's error
+            previous = f"the location cannot be listed either ({type(list_exc).__name__}: {list_exc})"
         what = f"checkpoint {seq}" if seq is not None else "a checkpoint"
         if isinstance(exc, OSError):
             fix = "Free space or fix permissions there, or set another checkpoint_uri"
@@ -215,7 +215,7 @@ class CheckpointStore:
         try:
             self._unpublish(seq)
             self._remove_dir(seq)
-        except OSError as exc:
+        except Exception as exc:  # the write's own error is what the caller raises
             warnings.warn(f"could not remove the failed checkpoint {self._url(self._dir(seq))}: {exc}; "
                           "the next successful checkpoint removes it", RuntimeWarning, stacklevel=3)
 

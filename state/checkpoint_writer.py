@@ -108,7 +108,12 @@ class BackgroundWriter:
         thread = threading.Thread(target=self._run, args=item, name="elastic-ring-checkpoint-writer", daemon=True)
         with self._cond:
             self._thread = thread
-        thread.start()
+        try:
+            thread.start()
+        except BaseException as exc:  # no thread (resources exhausted): a failed write, not a stuck writer
+            self._failed(exc, None, item[1])
+            self._finish()
+            raise
         return True
 
     def check(self) -> None:
