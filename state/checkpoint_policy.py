@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Consecutive failed writes after which the next ``commit()`` raises (CheckpointConfig default).
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
@@ -60,7 +60,9 @@ class CheckpointConfig:
     full unpickling (custom classes); by default only tensors, numbers, strings, containers and the
     state of optimizers, LR schedulers and samplers load, and a checkpoint holding anything else is
     refused. ``max_consecutive_failures``: after that many failed writes in a row, the next
-    ``commit()`` raises with the cause."""
+    ``commit()`` raises with the cause. ``signing_key`` (optional, >= 16 bytes, kept out of repr):
+    manifests are signed with HMAC-SHA256 and only manifests signed with this key are loaded; it must
+    outlive the run, since the next run verifies this run's checkpoints with it."""
 
     uri: str
     every_n_commits: int | None = None
@@ -69,6 +71,7 @@ class CheckpointConfig:
     run_id: str | None = None
     trusted: bool = False
     max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES
+    signing_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uri", check_checkpoint_uri(self.uri, "CheckpointConfig.uri"))
@@ -89,6 +92,15 @@ class CheckpointConfig:
         if not _is_int(self.max_consecutive_failures) or self.max_consecutive_failures < 1:
             raise ValueError(f"CheckpointConfig.max_consecutive_failures={self.max_consecutive_failures!r} "
                              "must be an int >= 1")
+        check_signing_key(self.signing_key, "CheckpointConfig.signing_key")
+
+
+def check_signing_key(key: object, field_name: str = "signing_key") -> None:
+    """None, or bytes of at least 16; the error never shows the key."""
+    if key is not None and (not isinstance(key, bytes) or len(key) < 16):
+        shown = f"{len(key)} bytes" if isinstance(key, bytes) else f"a {type(key).__name__}"
+        raise ValueError(f"{field_name} must be None or bytes of at least 16 (a secret that outlives the run, "
+                         f"e.g. os.environ['CKPT_KEY'].encode()); got {shown}")
 
 
 def _is_int(value: object) -> bool:

@@ -17,6 +17,8 @@ one holding objects a safe load refuses, stops the load with an error saying wha
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import pickle
@@ -31,7 +33,9 @@ import torch
 from . import checkpoint_lease
 from .checkpoint_errors import CheckpointCorrupt, CheckpointError, CheckpointPruneError, CheckpointRefused
 from .checkpoint_io import HashingWriter, Location
-from .checkpoint_policy import Entry, check_checkpoint_uri, next_sequence, parse_checkpoint_dir, plan_prune
+from .checkpoint_policy import (
+    Entry, check_checkpoint_uri, check_signing_key, next_sequence, parse_checkpoint_dir, plan_prune,
+)
 
 FORMAT = "elastic_ring.checkpoint/2"
 _READABLE = ("elastic_ring.checkpoint/1", FORMAT)
@@ -48,9 +52,12 @@ class CheckpointStore:
     """The checkpoints under ``uri``. ``run_id`` names this run in what it writes (a fresh one if None);
     ``trusted`` loads custom objects (full unpickling) instead of refusing them."""
 
-    def __init__(self, uri: str, keep_last: int = 3, *, run_id: str | None = None, trusted: bool = False) -> None:
+    def __init__(self, uri: str, keep_last: int = 3, *, run_id: str | None = None, trusted: bool = False,
+                 signing_key: bytes | None = None) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} must be an int >= 1")
+        check_signing_key(signing_key)
+        self._key = signing_key
         self.uri = check_checkpoint_uri(uri, "checkpoint uri")
         self.keep_last = keep_last
         self.run_id = run_id if run_id is not None else f"local-{uuid.uuid4().hex[:12]}"
@@ -121,6 +128,8 @@ class CheckpointStore:
                 self._check_safe(f"{directory}/{DATA}")
             manifest = {"format": FORMAT, "seq": seq, "run_id": self.run_id, "created_unix_s": time.time(),
                         "files": {DATA: {"bytes": size, "sha256": digest}}, "meta": meta or {}}
+            if self._key is not None:
+                manifest["hmac_sha256"] = self._sign(manifest)
             body = json.dumps(manifest, indent=1).encode()
             self.loc.write_small(f"{directory}/{MANIFEST}", body)
             if self.loc.read_bytes(f"{directory}/{MANIFEST}") != body:
@@ -254,7 +263,18 @@ class CheckpointStore:
         entry = manifest.get("files", {}).get(DATA) if isinstance(manifest.get("files"), dict) else None
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get("sha256"), str):
             raise CheckpointCorrupt(f"checkpoint manifest {self._url(path)} does not describe {DATA}")
+        if self._key is not None:
+            given = manifest.get("hmac_sha256")
+            if not isinstance(given, str) or not hmac.compare_digest(given, self._sign(manifest)):
+                raise CheckpointRefused(f"checkpoint manifest {self._url(path)} is "
+                                        f"{'not signed' if given is None else 'signed with another key'}; it was not "
+                                        "loaded. Use the signing_key its run used, or no key to load unsigned ones")
         return manifest
+
+    def _sign(self, manifest: dict) -> str:
+        body = {k: v for k, v in manifest.items() if k != "hmac_sha256"}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(self._key, canonical, hashlib.sha256).hexdigest()
 
     def load(self, seq: int, expected_names: list[str] | None = None) -> tuple[Any, dict]:
         """Read checkpoint ``seq``: :class:`CheckpointCorrupt` if damaged, :class:`CheckpointRefused` if

@@ -177,13 +177,16 @@ class State:
     # ------------------------------------------------------------ durable checkpoints
     def enable_checkpoints(self, uri: str, every_n_commits: int | None = None, every_s: float | None = None,
                            keep_last: int = 3, *, run_id: str | None = None, trusted: bool = False,
-                           max_consecutive_failures: int = 3) -> None:
+                           max_consecutive_failures: int = 3, signing_key: bytes | None = None) -> None:
         """Persist every ``every_n_commits`` commits and/or every ``every_s`` seconds to ``uri``
         (an absolute path or fsspec URL); keep the newest ``keep_last``. Only rank 0 writes, in the
-        background. See :class:`CheckpointConfig` for ``run_id``, ``trusted`` and ``max_consecutive_failures``."""
+        background. See :class:`CheckpointConfig` for ``run_id``, ``trusted``, ``max_consecutive_failures``
+        and ``signing_key``."""
         config = CheckpointConfig(uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last,
-                                  run_id=run_id, trusted=trusted, max_consecutive_failures=max_consecutive_failures)
-        store = CheckpointStore(config.uri, keep_last=config.keep_last, run_id=config.run_id, trusted=config.trusted)
+                                  run_id=run_id, trusted=trusted, max_consecutive_failures=max_consecutive_failures,
+                                  signing_key=signing_key)
+        store = CheckpointStore(config.uri, keep_last=config.keep_last, run_id=config.run_id, trusted=config.trusted,
+                                signing_key=config.signing_key)
         object.__setattr__(self, "_checkpoint", config)
         object.__setattr__(self, "_writer", BackgroundWriter(store, config.max_consecutive_failures))
 

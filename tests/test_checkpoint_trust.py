@@ -98,3 +98,32 @@ def test_training_state_loads_with_weights_only(tmp_path):
     assert loaded["sampler"] == tree["sampler"] and loaded["sched"] == tree["sched"]
     assert (loaded["epoch"], loaded["pair"], loaded["ids"], loaded["flags"]) == (2, (1, "a"), {1, 2}, tree["flags"])
     opt.load_state_dict(loaded["optimizer"])
+
+
+def test_signed_manifests_refuse_forgery_and_unsigned_ones(tmp_path):
+    key = b"0123456789abcdef-job-secret"
+    signed = CheckpointStore(str(tmp_path), keep_last=5, signing_key=key)
+    signed.save({"step": 1, "w": torch.ones(2)})
+    assert signed.load_latest()[0]["step"] == 1
+    assert "hmac_sha256" in json.loads((tmp_path / "ckpt-000000000001" / "MANIFEST.json").read_text())
+    # someone with write access replaces the data and fixes the checksum: the signature no longer matches
+    buffer = io.BytesIO()
+    torch.save({"step": 99, "w": torch.zeros(2)}, buffer)
+    _forge(tmp_path, 1, buffer.getvalue())
+    with pytest.raises(CheckpointRefused, match="ckpt-000000000001/MANIFEST.json is signed with another key"):
+        signed.load_latest()
+    CheckpointStore(str(tmp_path), keep_last=5).save({"step": 2})  # unsigned
+    with pytest.raises(CheckpointRefused, match="ckpt-000000000002/MANIFEST.json is not signed"):
+        signed.load_latest()
+    with pytest.raises(CheckpointRefused, match="signed with another key"):
+        CheckpointStore(str(tmp_path), signing_key=b"another key of 16+ bytes").load(1)
+
+
+@pytest.mark.parametrize("key, message", [(b"short", "got 5 bytes"), ("a str key of 16 chars", "got a str")])
+def test_signing_key_validation_never_shows_the_key(key, message):
+    from state import CheckpointConfig
+
+    with pytest.raises(ValueError, match=message) as info:
+        CheckpointConfig("/x", every_s=1, signing_key=key)
+    assert str(key) not in str(info.value)
+    assert "signing_key" not in repr(CheckpointConfig("/x", every_s=1, signing_key=b"k" * 16))
