@@ -1,68 +1,69 @@
-"""Host-memory snapshots of tensor trees, reusing their buffers from one commit to the next.
+"""Host-memory snapshots of tensor trees, reusing their buffers from one snapshot to the next.
 
-A tree is nested dicts, lists and tuples whose leaves are tensors or plain
-values. ``take(tree)`` copies it to host memory. Buffers are reused when the
-tree has the same structure as last time: a commit then costs one memcpy
-(fresh buffers would pay page faults on every commit). ``copy_tree`` returns
-an independent deep copy, for handing a snapshot to someone who keeps it.
+A tree is nested containers (dicts, lists, tuples, ... whatever ``torch.utils._pytree`` walks)
+whose leaves are tensors or plain values. ``SnapshotBuffer.take(tree)`` copies it to host memory.
+Buffers are reused while the tensors keep their shapes and dtypes: a snapshot then costs one
+memcpy (fresh buffers would pay page faults every time). Plain leaves are deep-copied.
+``copy_tree`` returns an independent deep copy, for handing a snapshot to someone who keeps it.
+
+The commit of a :class:`~state.State` keeps one such buffer per handler, and the durable
+checkpoint writer keeps one of its own: persisting costs one more copy of the state in host
+memory, reused from one checkpoint to the next.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 from typing import Any
 
 import torch
-
-_MAPPINGS = (dict, collections.OrderedDict)
-
-
-def _leaves(tree: Any, out: list[torch.Tensor]) -> Any:
-    """The tree's structure with tensors replaced by their index in ``out``."""
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-        return ("__tensor__", len(out) - 1, tuple(tree.shape), tree.dtype)
-    if type(tree) in _MAPPINGS:
-        return type(tree)((k, _leaves(v, out)) for k, v in tree.items())
-    if type(tree) in (list, tuple):
-        return type(tree)(_leaves(v, out) for v in tree)
-    return copy.deepcopy(tree)
+import torch.utils._pytree as pytree
 
 
-def _build(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, tuple) and len(skeleton) == 4 and skeleton[0] == "__tensor__":
-        return tensors[skeleton[1]]
-    if type(skeleton) in _MAPPINGS:
-        return type(skeleton)((k, _build(v, tensors)) for k, v in skeleton.items())
-    if type(skeleton) in (list, tuple):
-        return type(skeleton)(_build(v, tensors) for v in skeleton)
-    return copy.deepcopy(skeleton)
+def _layout(leaves: list[Any]) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves)
 
 
 class SnapshotBuffer:
     """Takes snapshots of trees with the same structure into the same host buffers."""
 
     def __init__(self) -> None:
-        self._skeleton: Any = None
-        self._buffers: list[torch.Tensor] = []
+        self._spec: Any = None
+        self._layout: tuple = ()
+        self._buffers: list[torch.Tensor | None] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this buffer's tensors."""
+        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
 
     def take(self, tree: Any) -> Any:
-        sources: list[torch.Tensor] = []
-        skeleton = _leaves(tree, sources)
-        if skeleton != self._skeleton or len(sources) != len(self._buffers):
-            self._skeleton = skeleton
-            self._buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in sources]
-        detached = [t.detach() for t in sources]
-        if detached:
-            torch._foreach_copy_(self._buffers, detached, non_blocking=True)
-            if any(t.is_cuda for t in detached):
+        """A host copy of ``tree`` in this buffer's tensors (valid until the next ``take``)."""
+        leaves, spec = pytree.tree_flatten(tree)
+        layout = _layout(leaves)
+        if spec != self._spec or layout != self._layout:
+            self._spec, self._layout = spec, layout
+            self._buffers = [torch.empty(x.shape, dtype=x.dtype, device="cpu") if isinstance(x, torch.Tensor) else None
+                             for x in leaves]
+        targets = [b for b in self._buffers if b is not None]
+        sources = [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
+        if sources:
+            torch._foreach_copy_(targets, sources, non_blocking=True)
+            if any(t.is_cuda for t in sources):
                 torch.cuda.synchronize()
-        return _build(skeleton, self._buffers)
+        out = [b if b is not None else copy.deepcopy(x) for b, x in zip(self._buffers, leaves)]
+        return pytree.tree_unflatten(out, spec)
+
+    def release(self) -> None:
+        """Drop the buffers (the next ``take`` allocates again)."""
+        self._spec, self._layout, self._buffers = None, (), []
 
 
 def copy_tree(tree: Any) -> Any:
-    """An independent deep copy (tensors cloned)."""
-    sources: list[torch.Tensor] = []
-    skeleton = _leaves(tree, sources)
-    return _build(skeleton, [t.detach().clone() for t in sources])
+    """An independent deep copy (tensors cloned, plain values deep-copied)."""
+    return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x), tree)
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Bytes of every tensor in ``tree``."""
+    return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor))

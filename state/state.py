@@ -16,6 +16,7 @@ Attributes are read and assigned as plain attributes: ``state.epoch += 1``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
@@ -25,10 +26,9 @@ from elastic_ring.log import get_logger
 from . import membership
 from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointStore
-from .checkpoint_writer import BackgroundWriter
+from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
 from .handlers import handler_for
 from .sampler import ElasticSampler
-from .snapshot import copy_tree
 
 _log = get_logger(__name__)
 
@@ -70,8 +70,7 @@ class State:
         for name, value in values.items():
             setattr(self, name, value)
         if _default_checkpointing is not None:
-            c = _default_checkpointing
-            self.enable_checkpoints(c.uri, c.every_n_commits, c.every_s, c.keep_last)
+            self.enable_checkpoints(**dataclasses.asdict(_default_checkpointing))
 
     # ------------------------------------------------------------ attributes
     def __getattr__(self, name: str) -> Any:
@@ -177,34 +176,47 @@ class State:
 
     # ------------------------------------------------------------ durable checkpoints
     def enable_checkpoints(self, uri: str, every_n_commits: int | None = None, every_s: float | None = None,
-                           keep_last: int = 3) -> None:
+                           keep_last: int = 3, *, run_id: str | None = None, trusted: bool = False,
+                           max_consecutive_failures: int = 3, signing_key: bytes | None = None) -> None:
         """Persist every ``every_n_commits`` commits and/or every ``every_s`` seconds to ``uri``
-        (any fsspec URL); keep the newest ``keep_last``. Only rank 0 writes, in the background."""
-        config = CheckpointConfig(uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last)
-        store = CheckpointStore(config.uri, keep_last=config.keep_last)
+        (an absolute path or fsspec URL); keep the newest ``keep_last``. Only rank 0 writes, in the
+        background. See :class:`CheckpointConfig` for ``run_id``, ``trusted``, ``max_consecutive_failures``
+        and ``signing_key``."""
+        config = CheckpointConfig(uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last,
+                                  run_id=run_id, trusted=trusted, max_consecutive_failures=max_consecutive_failures,
+                                  signing_key=signing_key)
+        store = CheckpointStore(config.uri, keep_last=config.keep_last, run_id=config.run_id, trusted=config.trusted,
+                                signing_key=config.signing_key)
         object.__setattr__(self, "_checkpoint", config)
-        object.__setattr__(self, "_writer", BackgroundWriter(store))
+        object.__setattr__(self, "_writer", BackgroundWriter(store, config.max_consecutive_failures))
 
     @property
     def checkpoint_store(self) -> CheckpointStore | None:
         return self._writer.store if self._writer is not None else None
 
+    def _persist_source(self) -> tuple[dict, dict]:
+        """The last commit and its meta, read by the writer when it starts a write (in this thread)."""
+        return self._snapshot, {"commits": self._commits, "names": self.names}
+
     def _maybe_persist(self) -> None:
         config = self._checkpoint
         if config is None or not er.is_initialized() or er.rank() != 0:
             return
+        self._writer.check()  # raises after repeated failed writes, with the cause
+        self._writer.poll()   # a write asked for while the previous one was in flight starts now, with this commit
         now = time.monotonic()
         due = (config.every_n_commits is not None and self._commits % config.every_n_commits == 0) or (
             config.every_s is not None and now - self._last_persist >= config.every_s)
         if due:
             object.__setattr__(self, "_last_persist", now)
-            self._writer.submit(copy_tree(self._snapshot), {"commits": self._commits, "names": self.names})
+            self._writer.submit(self._persist_source)
 
-    def persist_now(self, timeout_s: float | None = None) -> str | None:
-        """Write the last commit durably now and wait for it (e.g. before a planned shutdown); rank 0 only."""
+    def persist_now(self, timeout_s: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> str | None:
+        """Write the last commit durably now and wait for it (e.g. before a planned shutdown); rank 0 only.
+        Raises :class:`CheckpointError` if it fails or is not done within ``timeout_s`` seconds."""
         if self._writer is None or self._snapshot is None or (er.is_initialized() and er.rank() != 0):
             return None
-        self._writer.submit(copy_tree(self._snapshot), {"commits": self._commits, "names": self.names})
+        self._writer.submit(self._persist_source)
         return self._writer.flush(timeout_s)
 
     def _resume(self) -> None:

@@ -99,7 +99,7 @@ def test_background_writer_does_not_block_and_keeps_the_newest(tmp_path):
     big = {"w": torch.randn(4_000_000)}
     started = time.monotonic()
     for i in range(5):
-        writer.submit({**big, "i": i}, {"i": i})
+        writer.submit(lambda i=i: ({**big, "i": i}, {"i": i}))
     submit_s = time.monotonic() - started
     newest = writer.flush(timeout_s=120)
     assert submit_s < 0.5, f"submitting took {submit_s:.2f} s"

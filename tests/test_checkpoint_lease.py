@@ -1,0 +1,198 @@
+"""The lease on a checkpoint location, with real processes: a second live job refuses within seconds,
+a crashed holder's lease expires and the next run resumes, contenders never both win."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from state import CheckpointError, CheckpointLease, CheckpointStore
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TTL = 2.0
+
+JOB = textwrap.dedent('''
+    import sys, time, torch
+    from state import CheckpointLease, CheckpointStore, CheckpointError
+    uri, run_id, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    started = time.monotonic()
+    try:
+        lease = CheckpointLease(uri, run_id, ttl_s=float(sys.argv[4])).acquire()
+    except CheckpointError as exc:
+        print("REFUSED", round(time.monotonic() - started, 2), exc, flush=True)
+        sys.exit(3)
+    print("HELD", round(time.monotonic() - started, 2), flush=True)
+    store = CheckpointStore(uri, keep_last=1, run_id=run_id)
+    loaded = store.load_latest()
+    step = loaded[0]["step"] if loaded else 0
+    print("RESUMED", step, flush=True)
+    store.save({"step": step + 1, "w": torch.full((10,), float(step + 1))})
+    print("SAVED", step + 1, flush=True)
+    if mode == "hold":
+        time.sleep(600)
+    lease.release()
+    print("RELEASED", flush=True)
+''')
+
+
+@pytest.fixture
+def job_script(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    return script
+
+
+def _start(script, uri, run_id, mode):
+    return subprocess.Popen([sys.executable, str(script), uri, run_id, mode, str(TTL)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _read_until(proc, word, timeout_s=60):
+    lines = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(word):
+            return line, lines
+    raise AssertionError(f"no {word} line within {timeout_s} s:\n" + "".join(lines))
+
+
+def test_two_live_jobs_refused_then_a_crashed_holder_is_taken_over(tmp_path, job_script):
+    uri = str(tmp_path / "ckpt")
+    first = _start(job_script, uri, "run-first", "hold")
+    try:
+        _read_until(first, "SAVED")
+        second = subprocess.run([sys.executable, str(job_script), uri, "run-second", "hold", str(TTL)],
+                                capture_output=True, text=True, timeout=60, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert second.returncode == 3, second.stdout + second.stderr
+        seconds = float(second.stdout.split()[1])
+        assert seconds < TTL, second.stdout  # a renewal is seen well within the TTL
+        assert uri in second.stdout and "'run-first'" in second.stdout and "in use by run" in second.stdout
+        first.send_signal(signal.SIGKILL)  # the holder crashes: no release
+        first.wait(30)
+        started = time.monotonic()
+        third = subprocess.run([sys.executable, str(job_script), uri, "run-third", "release", str(TTL)],
+                               capture_output=True, text=True, timeout=60, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        took = time.monotonic() - started
+        assert third.returncode == 0, third.stdout + third.stderr
+        assert "RESUMED 1" in third.stdout and "SAVED 2" in third.stdout  # resumed the crashed run's checkpoint
+        held_after = float(third.stdout.split("HELD")[1].split()[0])
+        assert TTL <= held_after < TTL + 2, third.stdout  # waited out the TTL of silence, not more
+        assert took < 30
+        # it held the lease, so it pruned the dead run's checkpoint (keep_last=1)
+        store = CheckpointStore(uri)
+        assert store.complete() == [2] and store.load_latest()[1]["run_id"] == "run-third"
+        # released: the next run takes over at once
+        fourth = subprocess.run([sys.executable, str(job_script), uri, "run-fourth", "release", str(TTL)],
+                                capture_output=True, text=True, timeout=60, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert fourth.returncode == 0 and float(fourth.stdout.split("HELD")[1].split()[0]) < 1.0, fourth.stdout
+        assert "RESUMED 2" in fourth.stdout
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(30)
+
+
+def test_contenders_for_a_stale_lease_never_both_win(tmp_path):
+    uri = str(tmp_path)
+    (tmp_path / "LEASE-000000000001.json").write_text(json.dumps(
+        {"format": "elastic_ring.lease/1", "run_id": "dead", "counter": 7, "ttl_s": 0.5, "released": False}))
+    results, leases = [], []
+
+    def contend(i):
+        lease = CheckpointLease(uri, f"run-{i}", ttl_s=0.5)
+        try:
+            lease.acquire(timeout_s=20)
+            leases.append(lease)
+            results.append("won")
+        except CheckpointError as exc:
+            results.append(str(exc))
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert results.count("won") == 1, results
+        assert all("in use by run" in r for r in results if r != "won"), results
+        assert sorted(p.name for p in tmp_path.glob("LEASE-*")) == ["LEASE-000000000002.json"]  # old one cleaned
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_holder_that_stalls_past_the_ttl_learns_it_lost_the_lease(tmp_path):
+    a = CheckpointLease(str(tmp_path), "run-a", ttl_s=0.5).acquire()
+    a._stop.set()  # stall its renewals (as if the process were paused)
+    a._thread.join(5)
+    b = CheckpointLease(str(tmp_path), "run-b", ttl_s=0.5).acquire(timeout_s=10)
+    try:
+        with pytest.raises(CheckpointError, match=r"run 'run-a' lost the lease .* to run 'run-b'"):
+            a.renew()
+        a._lost = None
+        # a store of the stalled run may no longer write there
+        with pytest.raises(CheckpointError, match=r"leased by run 'run-b'.*not by this run 'run-a'"):
+            CheckpointStore(str(tmp_path), run_id="run-a").save({"x": torch.zeros(1)})
+        CheckpointStore(str(tmp_path), run_id="run-b").save({"x": torch.zeros(1)})
+    finally:
+        b.release()
+
+
+def test_renewal_errors_are_captured_and_surface_after_the_ttl(tmp_path, monkeypatch):
+    lease = CheckpointLease(str(tmp_path), "run-a", ttl_s=0.5).acquire()
+
+    def broken(*args, **kwargs):
+        raise PermissionError("storage said no")
+
+    monkeypatch.setattr(lease.loc, "write_small", broken)
+    deadline = time.monotonic() + 10
+    while lease.held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(CheckpointError, match=r"could not be renewed for .*PermissionError: storage said no"):
+        lease.check()
+    assert isinstance(lease.last_error, PermissionError)
+    lease.release()  # nothing left to release; it does not raise
+
+
+def test_lease_validation_and_release_on_exit(tmp_path):
+    with pytest.raises(ValueError, match="relative path"):
+        CheckpointLease("ckpt", "run")
+    with pytest.raises(ValueError, match="run_id=''"):
+        CheckpointLease(str(tmp_path), "")
+    with pytest.raises(ValueError, match="ttl_s=0"):
+        CheckpointLease(str(tmp_path), "run", ttl_s=0)
+    with pytest.raises(ValueError, match="renew_every_s=5"):
+        CheckpointLease(str(tmp_path), "run", ttl_s=5, renew_every_s=5)
+    with CheckpointLease(str(tmp_path), "run-x", ttl_s=1) as lease:
+        assert lease.held and lease.generation == 1
+    assert json.loads((tmp_path / "LEASE-000000000001.json").read_text())["released"] is True
+    started = time.monotonic()
+    with CheckpointLease(str(tmp_path), "run-y", ttl_s=1) as lease:
+        assert lease.generation == 2 and time.monotonic() - started < 0.5
+
+
+def test_lease_on_an_fsspec_memory_location():
+    uri = f"memory://lease-{uuid.uuid4().hex}"
+    a = CheckpointLease(uri, "run-a", ttl_s=0.5).acquire()
+    try:
+        with pytest.raises(CheckpointError, match="in use by run 'run-a'"):
+            CheckpointLease(uri, "run-b", ttl_s=0.5).acquire()
+    finally:
+        a.release()
+    CheckpointLease(uri, "run-b", ttl_s=0.5).acquire().release()
