@@ -9,6 +9,8 @@ from typing import Any
 from elastic_ring.constants import COLLECTIVE_TIMEOUT_S
 from elastic_ring.validation import check_bool, check_int, check_number, is_number
 
+from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
+
 from .decisions import Limits
 
 _OWNER = "ElasticTrainer"
@@ -103,9 +105,9 @@ class TrainerConfig:
                              "'timeline.json', or None")
 
     def _check_checkpoints(self) -> None:
-        if self.checkpoint_uri is not None and (not isinstance(self.checkpoint_uri, str) or not self.checkpoint_uri):
-            raise ValueError(f"ElasticTrainer checkpoint_uri={self.checkpoint_uri!r} must be an absolute path or an "
-                             "fsspec URL (e.g. /data/ckpt, s3://bucket/job)")
+        if self.checkpoint_uri is not None:
+            check_checkpoint_uri(self.checkpoint_uri, "ElasticTrainer checkpoint_uri")
+            check_protocol_available(self.checkpoint_uri, "ElasticTrainer checkpoint_uri")
         if self.checkpoint_every_n_commits is not None:
             check_int(_OWNER, "checkpoint_every_n_commits", self.checkpoint_every_n_commits, minimum=1)
         if self.checkpoint_every_s is not None:

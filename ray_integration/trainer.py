@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import sys
@@ -16,7 +17,7 @@ from ray.autoscaler.sdk import request_resources
 import elastic_ring as er
 from elastic_ring.auth import new_secret
 from elastic_ring.log import get_logger
-from state import CheckpointConfig, CheckpointStore
+from state import CheckpointConfig, CheckpointLease, CheckpointStore
 
 from .channel import Channel, Inbox
 from .config import TrainerConfig
@@ -104,7 +105,14 @@ class ElasticTrainer:
         if self.config.checkpoint_uri is None:
             return None
         every_n, every_s = self.config.checkpoint_cadence
-        return CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last)
+        return CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last,
+                                run_id=run_id, trusted=self.config.trusted_checkpoints)
+
+    def _lease(self, run_id: str) -> CheckpointLease | None:
+        """Hold the checkpoint location for this run: a second live job there is refused within seconds."""
+        if self.config.checkpoint_uri is None:
+            return None
+        return CheckpointLease(self.config.checkpoint_uri, run_id).acquire()
 
     def _newest_checkpoint(self) -> str | None:
         if self.config.checkpoint_uri is None:
@@ -129,59 +137,65 @@ class ElasticTrainer:
         if not ray.is_initialized():
             ray.init()
         self._check_cluster()
-        host = self.config.bind_address or ray.util.get_node_ip_address()
-        server = er.StoreServer(host, timeout_s=max(60.0, self.config.connect_timeout_s))
-        secret = new_secret()
-        keys = Keys(f"job-{uuid.uuid4().hex[:8]}")
-        settings = {"driver_silence_s": self.config.heartbeat_timeout_s,
-                    "checkpoint": self._checkpoint_config(keys.job), "use_gpu": self.config.use_gpu,
-                    "timeline": self.config.timeline_path is not None}
-        send = Channel(server.store, secret, DRIVER)
-        wakeups: "queue.Queue[tuple[str, Any]]" = queue.Queue()
-        receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
-        inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: _acknowledge(send, keys, msg))
-        events = EventLog(on_event)
-        pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
-        driver = Driver(self.config, pool, host, events, wakeups)
-        progress = ProgressDisplay(self.config.progress)
         timeline = TimelineFile(self.config.timeline_path) if self.config.timeline_path is not None else None
         if timeline is not None:
             timeline.check_writable()
-        mailroom = _Mailroom(pool, events, progress, timeline, on_report)
-        cleaner = _RoundKeys(server.store, keys)
-
-        def on_tick(d: Driver) -> None:
-            mailroom(d)
-            cleaner.forget_before(d.round_id - 1)
-
-        # Demand the autoscaler can see: max_workers worker bundles while the job runs.
-        bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
-        request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * self.config.max_workers)
-        signals = _Signals(driver)
-        inbox.start()
+        keys = Keys(f"job-{uuid.uuid4().hex[:8]}")
+        secret = new_secret()
+        events = EventLog(on_event)
+        progress = ProgressDisplay(self.config.progress)
         final = None
-        try:
-            final = driver.run(on_tick)
-            on_tick(driver)
-            if isinstance(final, Finished):
-                events.add("finished", driver.round_id, driver.world_size)
-        except KeyboardInterrupt:
-            print(f"elastic_ring: interrupted (Ctrl-C): the workers are stopped now; {self._abandoned()}",
-                  file=sys.stderr, flush=True)
-            raise
-        finally:
-            signals.restore()
-            progress.close()
-            inbox.close(lambda: send.send(keys.driver_inbox, "wake"))
-            pool.shutdown("the job ended")
+        with contextlib.ExitStack() as cleanup:  # everything set up below is undone in reverse, also on failure
+            lease = self._lease(keys.job)
+            if lease is not None:
+                cleanup.callback(lease.release)  # last: the workers are stopped, nothing of this run writes
+            host = self.config.bind_address or ray.util.get_node_ip_address()
+            server = er.StoreServer(host, timeout_s=max(60.0, self.config.connect_timeout_s))
+            cleanup.callback(server.close)
+            send = Channel(server.store, secret, DRIVER)
+            receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
+            wakeups: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+            settings = {"driver_silence_s": self.config.heartbeat_timeout_s,
+                        "flush_timeout_s": self.config.stop_timeout_s, "checkpoint": self._checkpoint_config(keys.job),
+                        "use_gpu": self.config.use_gpu, "timeline": timeline is not None}
+            pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
+            driver = Driver(self.config, pool, host, events, wakeups)
+            mailroom = _Mailroom(pool, events, progress, timeline, on_report)
+            cleaner = _RoundKeys(server.store, keys)
+
+            def on_tick(d: Driver) -> None:
+                mailroom(d)
+                cleaner.forget_before(d.round_id - 1)
+                if lease is not None:
+                    lease.check()  # another run took the location over (this one stalled): stop now
+
+            # Demand the autoscaler can see: max_workers worker bundles while the job runs.
+            bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus,
+                      **self.config.resources_per_worker}
+            request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * self.config.max_workers)
+            cleanup.callback(request_resources, bundles=[])  # cancel the demand, also on failure
             if timeline is not None:
-                _log.info("timeline written to %s", timeline.write(events.events))
-            request_resources(bundles=[])  # cancel the demand, also on failure
-            server.close()
+                cleanup.callback(lambda: _log.info("timeline written to %s", timeline.write(events.events)))
+            cleanup.callback(pool.shutdown, "the job ended")
+            inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: _acknowledge(send, keys, msg))
+            inbox.start()
+            cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, "wake"))
+            cleanup.callback(progress.close)
+            signals = _Signals(driver)
+            cleanup.callback(signals.restore)
+            try:
+                final = driver.run(on_tick)
+                on_tick(driver)
+                if isinstance(final, Finished):
+                    events.add("finished", driver.round_id, driver.world_size)
+            except KeyboardInterrupt:
+                print(f"elastic_ring: interrupted (Ctrl-C): the workers are stopped now; {self._abandoned()}",
+                      file=sys.stderr, flush=True)
+                raise
         if receive.forged or send.forged:
             _log.warning("%d forged messages were sent to this job's rendezvous store and ignored; see the README's "
                          "Security section", receive.forged + send.forged)
-        return self._result(final, mailroom, events)
+        return self._result(final, mailroom, events, driver.stop_reason)
 
     def _abandoned(self) -> str:
         newest = self._newest_checkpoint()
@@ -191,8 +205,13 @@ class ElasticTrainer:
             return "no checkpoint_uri was set, so all training of this run is abandoned"
         return "no durable checkpoint was written yet, so all training of this run is abandoned"
 
-    def _result(self, final, mailroom: _Mailroom, events: EventLog) -> Result:
+    def _result(self, final, mailroom: _Mailroom, events: EventLog, stop_reason: str | None) -> Result:
         if isinstance(final, Failed):
+            if stop_reason is not None:
+                cause = str(final.error).strip().splitlines()
+                print(f"elastic_ring: {stop_reason} received, but the job could not stop cleanly: "
+                      f"{cause[-1] if cause else type(final.error).__name__}; {self._abandoned()}",
+                      file=sys.stderr, flush=True)
             raise final.error
         if isinstance(final, Stopped):
             if final.forced:
@@ -208,8 +227,9 @@ class ElasticTrainer:
                   file=sys.stderr, flush=True)
             raise SystemExit(0)
         assert isinstance(final, Finished)
+        written = [e.detail.get("uri") for e in events.events if e.kind == "checkpoint_written"]
         return Result(value=final.value, metrics=mailroom.metrics, events=list(events.events),
-                      checkpoint=self._newest_checkpoint())
+                      checkpoint=written[-1] if written else self._newest_checkpoint())
 
 
 def _acknowledge(send: Channel, keys: Keys, msg: dict) -> None:

@@ -119,6 +119,9 @@ class RingWorker:
         state_pkg.membership.reset()
         state_pkg.set_default_checkpointing(settings.get("checkpoint"))
         state_pkg.set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, "resumed", info=info))
+        state_pkg.set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, "checkpoint",
+                                                                        event=event))
+        self._flush_timeout_s = settings["flush_timeout_s"]
         er.progress.clear()
         if settings.get("timeline"):
             er.timeline.enable()
@@ -132,8 +135,12 @@ class RingWorker:
         self._install(settings)
         try:
             value = fn(config)
+            self._flush_checkpoints()
         except (er.RingStopped, state_pkg.TrainingStopped):
+            self._flush_checkpoints()  # it leaves (a draining node, the job stops): its last write lands first
             return None
+        except WorkerError:
+            raise
         except Exception as exc:
             rank = er.rank() if er.is_initialized() else None
             raise WorkerError(self.worker_id, rank, self.node_id, self.hostname, traceback.format_exc(),
@@ -152,6 +159,14 @@ class RingWorker:
                               "data (numbers, strings, lists, dicts, CPU tensors), e.g. a state_dict instead of "
                               "an object holding locks, files or sockets", "fn's return value") from None
         return value
+
+    def _flush_checkpoints(self) -> None:
+        """Wait (bounded) for this process's checkpoint writes; a failed or late one is this worker's error."""
+        try:
+            state_pkg.flush_checkpoints(self._flush_timeout_s)
+        except state_pkg.CheckpointError as exc:
+            raise WorkerError(self.worker_id, None, self.node_id, self.hostname, str(exc),
+                              "the last durable checkpoint could not be written") from None
 
     def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False) -> None:
         """A notice from the driver about round ``round_id`` (re-form / persist / stop at its next commit)."""

@@ -50,6 +50,25 @@ def check_checkpoint_uri(uri: object, field: str = "checkpoint_uri") -> str:
     return stripped if stripped and not stripped.endswith(":") else uri
 
 
+def check_protocol_available(uri: str, field: str = "checkpoint_uri") -> None:
+    """ValueError unless fsspec knows every protocol in ``uri`` and its package is installed here."""
+    import fsspec  # a registry lookup; an implementation package is imported only to prove it is installed
+
+    for part in uri.split("::"):
+        match = _PROTOCOL.match(part)
+        protocol = match.group(1) if match else "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            raise ValueError(f"{field}={uri!r}: fsspec knows no protocol {protocol!r}; use a local absolute path or "
+                             "a URL such as s3://bucket/job, gs://bucket/job (see fsspec's known implementations)"
+                             ) from None
+        except ImportError as exc:
+            raise ValueError(f"{field}={uri!r}: the package for {protocol}:// is not installed ({exc}); install it "
+                             "on the driver and every worker (e.g. pip install s3fs for s3://, gcsfs for gs://)"
+                             ) from None
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Persist to ``uri`` every ``every_n_commits`` commits and/or every ``every_s`` seconds

@@ -106,6 +106,21 @@ class FaultFile:
         return os.path.exists(os.path.join(self.dir, "stop"))
 
 
+class Flaky:
+    """A state value that cannot be saved once the file ``flag`` exists (a writer error on demand)."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __deepcopy__(self, memo):  # a commit copies it fine; only saving (pickling) fails
+        return Flaky(self.flag)
+
+    def __reduce__(self):
+        if os.path.exists(self.flag):
+            raise TypeError(f"Flaky cannot be saved: {self.flag} exists")
+        return (Flaky, (self.flag,))
+
+
 def _skew_clock(seconds: float) -> None:
     real = time.time
     offset = seconds if os.getpid() % 2 else -seconds
@@ -129,8 +144,9 @@ def train(config: dict):
     holder.w = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
     optimizer = er.DistributedOptimizer(torch.optim.SGD([holder.w], lr=1.0), holder.named_parameters(), op=er.Sum)
     sampler = ElasticSampler(N_SAMPLES, batch_size=config.get("batch", 2), seed=11)
+    extra = {"flaky": Flaky(config["flaky_flag"])} if config.get("flaky_flag") else {}
     state = TorchState(model=holder, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
-                       seen=torch.zeros(N_SAMPLES, dtype=torch.float64), probe=FaultPoint())
+                       seen=torch.zeros(N_SAMPLES, dtype=torch.float64), probe=FaultPoint(), **extra)
 
     def on_reset() -> None:
         global _ARMED

@@ -125,3 +125,16 @@ def test_sigterm_and_a_worker_sigkill_at_once_stop_cleanly_and_resume_exactly(sc
 
 def test_sigterm_racing_a_join_commit_stops_cleanly_and_resumes_exactly(scenario):
     stop_then_resume(scenario, "sigterm_at_join")
+
+
+def test_a_writer_error_then_sigterm_exits_within_seconds_saying_so(scenario):
+    out = run_script(scenario, "writer_error")
+    ended = time.time()
+    signaled = float((scenario["chaos"] / "signaled").read_text())
+    assert out.returncode != 0 and ended - signaled < 15, (out.returncode, ended - signaled, out.stderr[-3000:])
+    assert "SIGTERM received, but the job could not stop cleanly" in out.stderr, out.stderr[-3000:]
+    assert "Flaky cannot be saved" in out.stderr and "newest durable checkpoint" in out.stderr, out.stderr[-3000:]
+    from state import CheckpointStore
+
+    saved, info = CheckpointStore(scenario["ckpt"], trusted=True).load_latest()  # the previous one, intact
+    assert 0 < saved["step"] <= 18, saved["step"]

@@ -7,6 +7,8 @@ Scenarios:
   sigterm_sigkill   at step 12, SIGKILL rank 1's process and SIGTERM this driver at the same moment
   sigterm_at_join   SIGKILL rank 2 at step 6; when its replacement is ready to join (the ring is asked to
                     re-form at its next commit), SIGTERM this driver: the stop races the join's commit
+  writer_error      checkpoints every 2 commits; at step 15 the state becomes unsavable (the next writes
+                    fail), and at step 24 this driver gets SIGTERM: its final checkpoint fails too
   finish            train to the first epoch end (the stop file is written first) and print the result
 
 The time of the SIGTERM goes to CHAOS_DIR/signaled. The ``finish`` run prints ``RESULT {json}``.
@@ -43,9 +45,14 @@ def signal_self() -> None:
 
 
 def on_report(record: dict) -> None:
-    if scenario == "sigterm_sigkill" and record.get("step", 0) >= 12 and not (chaos / "signaled").exists():
+    step = record.get("step", 0)
+    if scenario == "sigterm_sigkill" and step >= 12 and not (chaos / "signaled").exists():
         os.kill(int((chaos / "pid-rank1").read_text()), signal.SIGKILL)
         signal_self()
+    if scenario == "writer_error" and step >= 15:
+        (chaos / "unsavable").touch()
+        if step >= 24 and not (chaos / "signaled").exists():
+            signal_self()
 
 
 def on_event(event) -> None:
@@ -58,10 +65,14 @@ if scenario == "sigterm_at_join":
     (chaos / "faults.json").write_text(json.dumps([{"id": 1, "kind": "sigkill", "rank": 2}]))
 if scenario == "finish":
     (chaos / "stop").touch()
-result = ElasticTrainer(min_workers=2, max_workers=3, checkpoint_uri=checkpoint_dir, checkpoint_every_n_commits=1000,
+writer = scenario == "writer_error"
+job = {"chaos_dir": chaos_dir, "commit_every": 3, "step_delay_s": 0.05}
+if writer:
+    job["flaky_flag"] = str(chaos / "unsavable")
+result = ElasticTrainer(min_workers=2, max_workers=3, checkpoint_uri=checkpoint_dir,
+                        checkpoint_every_n_commits=2 if writer else 1000, trusted_checkpoints=writer,
                         heartbeat_timeout_s=5, progress=False).run(
-    invariant_job.train, config={"chaos_dir": chaos_dir, "commit_every": 3, "step_delay_s": 0.05},
-    on_report=on_report, on_event=on_event)
+    invariant_job.train, config=job, on_report=on_report, on_event=on_event)
 print("RESULT " + json.dumps({"exact": result.value["exact"], "identical": result.value["identical"],
                               "seen": result.value["seen"], "epochs": result.value["epochs"],
                               "step": result.value["step"],
