@@ -41,7 +41,7 @@ from .communicator import Communicator, Work
 from .errors import CommError
 from .log import get_logger
 from .nccl_handle import CommHandle, settle
-from .nccl_lib import NcclUnavailable
+from .nccl_lib import NcclError, NcclUnavailable
 from .nccl_watchdog import Watchdog, process_watchdog
 from .ops import ReduceOp
 from .spec import RingSpec
@@ -111,6 +111,15 @@ def set_eager_connect(environ: "os._Environ[str] | dict[str, str]" = os.environ)
     return True
 
 
+def check_nonblocking_allowed(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
+    """``NCCL_COMM_BLOCKING=1`` would override our non-blocking config: creation could then
+    block forever on a missing peer, out of the watchdog's reach. Refuse it."""
+    value = environ.get("NCCL_COMM_BLOCKING", "").strip()
+    if value not in ("", "0"):
+        raise RuntimeError(f"environment variable NCCL_COMM_BLOCKING={value!r} makes NCCL communicators blocking, "
+                           "which backend='nccl' cannot abort on a lost peer; unset it (or set it to 0)")
+
+
 # ---------------------------------------------------------------- streams
 _streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -166,6 +175,7 @@ class NcclCommunicator(Communicator):
                              "pick an index below torch.cuda.device_count()")
         self._device = torch.device("cuda", index)
         torch.cuda.set_device(self._device)
+        check_nonblocking_allowed()
         set_eager_connect()
         self._watchdog = watchdog or process_watchdog()
         self._stream = side_stream(self._device)
@@ -257,15 +267,18 @@ class NcclCommunicator(Communicator):
         with torch.cuda.device(self._device):
             stream.wait_stream(torch.cuda.current_stream(self._device))
             if call is not None:
-                status = handle.call(op, call, *args, stream.cuda_stream)
-                if status == nccl_lib.IN_PROGRESS:
-                    # Non-blocking: NCCL enqueues the kernel from its own thread. The event below
-                    # must come after the kernel on the stream, so wait for the enqueue first.
-                    try:
+                try:
+                    status = handle.call(op, call, *args, stream.cuda_stream)
+                    if status == nccl_lib.IN_PROGRESS:
+                        # Non-blocking: NCCL enqueues the kernel from its own thread. The event below
+                        # must come after the kernel on the stream, so wait for the enqueue first.
                         settle(handle, op, time.monotonic() + timeout_s)
-                    except TimeoutError:
-                        raise CommError(f"[{self.spec.identity}] NCCL {op} was not launched within "
-                                        f"collective_timeout_s={timeout_s:g}") from None
+                except TimeoutError:
+                    raise CommError(f"[{self.spec.identity}] NCCL {op} was not launched within "
+                                    f"collective_timeout_s={timeout_s:g}") from None
+                except NcclError:
+                    self.raise_if_failed()  # the watchdog aborted it meanwhile: report its reason
+                    raise
             for t in tensors:
                 t.record_stream(stream)
             event = torch.cuda.Event(blocking=True)

@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from elastic_ring import nccl_handle, nccl_lib
-from elastic_ring.nccl_communicator import check_unique_id, reduce_dtype, reduce_op, set_eager_connect
+from elastic_ring.nccl_communicator import (
+    check_nonblocking_allowed, check_unique_id, reduce_dtype, reduce_op, set_eager_connect,
+)
 from elastic_ring.nccl_lib import IN_PROGRESS, SUCCESS, NcclError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -154,6 +156,16 @@ def test_eager_connect_is_set_unless_the_user_chose():
     assert set_eager_connect(env) and env == {"NCCL_RUNTIME_CONNECT": "0"}
     env = {"NCCL_RUNTIME_CONNECT": "1"}
     assert not set_eager_connect(env) and env == {"NCCL_RUNTIME_CONNECT": "1"}
+
+
+@pytest.mark.parametrize("value, allowed", [(None, True), ("", True), ("0", True), ("1", False), (" 1 ", False)])
+def test_blocking_communicators_forced_by_the_environment_are_refused(value, allowed):
+    env = {} if value is None else {"NCCL_COMM_BLOCKING": value}
+    if allowed:
+        check_nonblocking_allowed(env)
+    else:
+        with pytest.raises(RuntimeError, match=r"NCCL_COMM_BLOCKING='1' makes NCCL communicators blocking.*unset it"):
+            check_nonblocking_allowed(env)
 
 
 # ---------------------------------------------------------------- the real library, no GPU
