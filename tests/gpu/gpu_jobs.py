@@ -44,8 +44,8 @@ def train_on_gpu(config: dict):
             state.commit()
         params = er.allgather_object([p.detach().cpu() for p in model.parameters()])
         identical = all(torch.equal(a, b) for other in params for a, b in zip(params[0], other))
-        return {"device": str(device), "expected_device": expected_device, "comm_device": str(er.runtime.current().device),
-                "param_device": str(next(model.parameters()).device), "seen": state.seen.cpu().tolist(),
+        return {"device": str(device), "expected_device": expected_device,
+                "comm_device": str(er.runtime.current().device), "param_device": str(next(model.parameters()).device), "seen": state.seen.cpu().tolist(),
                 "identical": identical, "world": er.size(), "step": state.step}
 
     return loop(state)
