@@ -1,168 +1,254 @@
-"""The NCCL backend: CUDA tensors over ``cupy.cuda.nccl.NcclCommunicator``.
+"""The NCCL backend: CUDA tensors over a non-blocking NCCL communicator.
 
 Contract, per round:
 
-* The round's rank 0 creates the NCCL unique id and publishes it under the
-  round's prefixed key in the rendezvous store; the other ranks read it there.
-  Communicator creation blocks inside NCCL until every rank joins, so it runs in
-  a helper thread that is given up on after ``connect_timeout_s``.
-* Collectives run on a dedicated CUDA stream that first waits for torch's
-  current stream (so the inputs are ready); torch's stream later waits on an
-  event recorded after the collective (so the outputs are ready).
-* ``Work.wait`` polls that event with a deadline (``collective_timeout_s``) and
-  asks NCCL for asynchronous errors while it waits; on a timeout or an error
-  the communicator is *aborted* and :class:`CommError` is raised. A failed or
-  abandoned communicator is always aborted, never destroyed: ``ncclCommDestroy``
-  can block forever on a dead peer.
-
-cupy is imported lazily, so this module imports on machines without CUDA.
+* The round's rank 0 creates the NCCL unique id (128 raw bytes) and publishes
+  it with ``store.set(prefix + "nccl/unique_id", bytes)``; the other ranks read
+  it with ``store.get``. Nothing is pickled.
+* The communicator is created *non-blocking* (:mod:`elastic_ring.nccl_lib`):
+  the handle exists at once and creation is polled until ``connect_timeout_s``;
+  a creation that outlives it is *aborted*, never destroyed. Connections are
+  made eagerly: ``NCCL_RUNTIME_CONNECT=0`` is set (unless the user set it)
+  before the first communicator, and a one-element allreduce runs under the
+  watchdog before the constructor returns, so a missing peer fails the
+  formation (``connect_timeout_s``), not the first training collective.
+* Collectives run on one persistent high-priority side stream per device (never
+  destroyed, so ``record_stream`` on it is always safe). The side stream first
+  waits for torch's current stream; torch's current stream later waits on an
+  event recorded after the collective.
+* The process's :mod:`watchdog <elastic_ring.nccl_watchdog>` keeps every
+  collective's deadline (``collective_timeout_s``) and watches NCCL's
+  asynchronous errors. It aborts a hung or broken communicator, which makes
+  every host call blocked on it return; ``Work.wait`` waits on the event (no
+  polling on the calling thread) and then raises :class:`CommError` if the
+  watchdog failed the communicator.
+* ``close()`` (a healthy round ends) finalizes (``ncclCommFinalize``: flushes
+  outstanding work) and then destroys; if that fails or outlives
+  ``collective_timeout_s``, it aborts. ``abort()`` aborts. After an abort,
+  ``torch.cuda.empty_cache()`` returns the memory the next communicator needs.
 """
 
 from __future__ import annotations
 
-import datetime
-import pickle
+import os
 import threading
 import time
 
 import torch
-import torch.distributed as dist
 
+from . import nccl_handle, nccl_lib
 from .communicator import Communicator, Work
-from .constants import NCCL_POLL_INTERVAL_S
 from .errors import CommError
+from .log import get_logger
+from .nccl_handle import CommHandle, settle
+from .nccl_lib import NcclError, NcclUnavailable
+from .nccl_watchdog import Watchdog, process_watchdog
 from .ops import ReduceOp
 from .spec import RingSpec
 
-_UNIQUE_ID_KEY = "nccl/unique_id"
+_log = get_logger(__name__)
+
+UNIQUE_ID_KEY = "nccl/unique_id"
 
 
 def nccl_available() -> bool:
-    """True when CUDA and cupy's NCCL bindings can be used in this process."""
+    """True when CUDA and an NCCL library (>= 2.25) can be used in this process."""
     if not torch.cuda.is_available():
         return False
     try:
-        from cupy.cuda import nccl  # noqa: F401
-    except Exception:  # cupy missing, or its NCCL library missing: both mean "no NCCL"
+        nccl_lib.load()
+    except NcclUnavailable:
         return False
     return True
 
 
-def _nccl_dtype(nccl, dtype: torch.dtype) -> int:
-    table = {
-        torch.float16: nccl.NCCL_FLOAT16,
-        torch.float32: nccl.NCCL_FLOAT32,
-        torch.float64: nccl.NCCL_FLOAT64,
-        torch.int8: nccl.NCCL_INT8,
-        torch.uint8: nccl.NCCL_UINT8,
-        torch.bool: nccl.NCCL_UINT8,
-        torch.int32: nccl.NCCL_INT32,
-        torch.int64: nccl.NCCL_INT64,
-    }
-    if hasattr(nccl, "NCCL_BFLOAT16"):
-        table[torch.bfloat16] = nccl.NCCL_BFLOAT16
+# ---------------------------------------------------------------- pure helpers
+_REDUCE_DTYPES = {
+    torch.float16: nccl_lib.FLOAT16, torch.bfloat16: nccl_lib.BFLOAT16, torch.float32: nccl_lib.FLOAT32,
+    torch.float64: nccl_lib.FLOAT64, torch.int8: nccl_lib.INT8, torch.uint8: nccl_lib.UINT8,
+    torch.int32: nccl_lib.INT32, torch.int64: nccl_lib.INT64,
+}
+for _name, _code in (("uint32", nccl_lib.UINT32), ("uint64", nccl_lib.UINT64)):
+    if hasattr(torch, _name):
+        _REDUCE_DTYPES[getattr(torch, _name)] = _code
+
+_REDUCE_OPS = {ReduceOp.SUM: nccl_lib.SUM, ReduceOp.MIN: nccl_lib.MIN, ReduceOp.MAX: nccl_lib.MAX}
+
+
+def reduce_dtype(dtype: torch.dtype) -> int:
+    """NCCL's data type for reducing ``dtype``; ValueError naming the dtype and the fix otherwise."""
     try:
-        return table[dtype]
+        return _REDUCE_DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"NCCL cannot move tensors of dtype {dtype}; cast to one of {sorted(map(str, table))}") from None
+        names = sorted(str(d).replace("torch.", "") for d in _REDUCE_DTYPES)
+        raise ValueError(f"NCCL cannot reduce tensors of dtype {dtype}; cast to one of {names}") from None
 
 
-def _nccl_op(nccl, op: ReduceOp) -> int:
-    return {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX}[op]
+def reduce_op(op: ReduceOp) -> int:
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"the NCCL backend reduces with SUM, MIN or MAX, got {op}") from None
 
 
+def check_unique_id(value: object, identity: str) -> bytes:
+    """The unique id read from the store, as bytes; CommError if it is not 128 raw bytes."""
+    if isinstance(value, (bytes, bytearray)) and len(value) == nccl_lib.UNIQUE_ID_BYTES:
+        return bytes(value)
+    size = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
+    raise CommError(
+        f"[{identity}] the NCCL unique id in the store is not {nccl_lib.UNIQUE_ID_BYTES} raw bytes (got {size}); "
+        "every worker must run the same elastic_ring version (the id is published as raw bytes, not pickled)"
+    )
+
+
+def set_eager_connect(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
+    """Make NCCL connect every peer while the communicator forms (NCCL >= 2.22 connects lazily at
+    the first collective otherwise). Leaves a value the user set; returns whether it set one."""
+    if "NCCL_RUNTIME_CONNECT" in environ:
+        return False
+    environ["NCCL_RUNTIME_CONNECT"] = "0"
+    return True
+
+
+def check_nonblocking_allowed(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
+    """``NCCL_COMM_BLOCKING=1`` would override our non-blocking config: creation could then
+    block forever on a missing peer, out of the watchdog's reach. Refuse it."""
+    value = environ.get("NCCL_COMM_BLOCKING", "").strip()
+    if value not in ("", "0"):
+        raise RuntimeError(f"environment variable NCCL_COMM_BLOCKING={value!r} makes NCCL communicators blocking, "
+                           "which backend='nccl' cannot abort on a lost peer; unset it (or set it to 0)")
+
+
+# ---------------------------------------------------------------- streams
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The process's persistent collective stream of ``device`` (created once, never destroyed)."""
+    with _streams_lock:
+        stream = _streams.get(device.index)
+        if stream is None:
+            stream = _streams[device.index] = torch.cuda.Stream(device=device, priority=-1)
+        return stream
+
+
+# ---------------------------------------------------------------- work
 class _NcclWork(Work):
-    __slots__ = ("_comm", "_event", "_deadline", "_timeout_s")
+    __slots__ = ("_comm", "_event")
 
-    def __init__(self, comm: "NcclCommunicator", event: torch.cuda.Event, timeout_s: float) -> None:
-        self._comm = comm
-        self._event = event
-        self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
+    def __init__(self, comm: "NcclCommunicator", event: torch.cuda.Event) -> None:
+        self._comm, self._event = comm, event
 
     def wait(self) -> None:
-        while not self._event.query():
-            self._comm.raise_async_error()
-            if time.monotonic() > self._deadline:
-                raise CommError(
-                    f"[{self._comm.spec.identity}] NCCL collective did not finish within "
-                    f"collective_timeout_s={self._timeout_s}; a peer is probably lost"
-                )
-            time.sleep(NCCL_POLL_INTERVAL_S)
+        self._comm.raise_if_failed()
+        # Blocks (yielding the CPU) until the collective is done. The watchdog keeps the
+        # deadline: it aborts a hung communicator, the NCCL kernel exits, and this returns.
+        self._event.synchronize()
+        self._comm.raise_if_failed()
         torch.cuda.current_stream(self._comm.device).wait_event(self._event)
 
 
+# ---------------------------------------------------------------- communicator
 class NcclCommunicator(Communicator):
-    """Communicator of one round over NCCL. ``store`` is a connected TCP store client."""
+    """Communicator of one round over NCCL. ``store`` offers ``set(key, bytes)`` / ``get(key)``."""
 
-    def __init__(self, spec: RingSpec, store: dist.Store) -> None:
+    def __init__(self, spec: RingSpec, store, watchdog: Watchdog | None = None) -> None:
         super().__init__(spec)
-        if not nccl_available():
+        self._handle: CommHandle | None = None
+        self._watchdog: Watchdog | None = None
+        if not torch.cuda.is_available():
             raise RuntimeError(
-                "backend='nccl' needs CUDA and cupy with NCCL: install elastic-ring[gpu] "
-                "(cupy-cuda12x, nvidia-nccl-cu12) on a GPU machine, or use backend='gloo'"
+                "backend='nccl' needs CUDA and NCCL: run on a GPU machine with elastic-ring[gpu] installed "
+                "(nvidia-nccl-cu12 >= 2.25), or use backend='gloo'"
             )
-        import cupy
-        from cupy.cuda import nccl
-
-        self._nccl = nccl
+        try:
+            lib = nccl_lib.load()
+        except NcclUnavailable as exc:
+            raise RuntimeError(f"backend='nccl' needs CUDA and NCCL: {exc}") from exc
+        self._lib = lib
         index = spec.cuda_device if spec.cuda_device is not None else torch.cuda.current_device()
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"RingSpec.cuda_device={index} is not a CUDA device of this process (it sees {count}); "
+                             "pick an index below torch.cuda.device_count()")
         self._device = torch.device("cuda", index)
         torch.cuda.set_device(self._device)
-        unique_id = self._exchange_unique_id(nccl, dist.PrefixStore(spec.store_prefix, store))
-        self._comm = self._create(nccl, cupy, unique_id)
-        with cupy.cuda.Device(index):
-            self._cupy_stream = cupy.cuda.Stream(non_blocking=True)
-        self._stream = torch.cuda.ExternalStream(self._cupy_stream.ptr, device=self._device)
+        check_nonblocking_allowed()
+        set_eager_connect()
+        self._watchdog = watchdog or process_watchdog()
+        self._stream = side_stream(self._device)
+        deadline = time.monotonic() + spec.connect_timeout_s
+        unique_id = self._exchange_unique_id(store)
+        self._handle = self._create(unique_id, deadline)
+        try:
+            self._warm_up(deadline)
+        except BaseException:
+            self._abort_nccl()
+            raise
 
     @property
     def device(self) -> torch.device:
         return self._device
 
-    def _exchange_unique_id(self, nccl, store: dist.Store) -> tuple:
-        store.set_timeout(datetime.timedelta(seconds=self.spec.connect_timeout_s))
+    @property
+    def identity(self) -> str:
+        return self.spec.identity
+
+    # ------------------------------------------------------------ forming
+    def _exchange_unique_id(self, store) -> bytes:
+        key = self.spec.store_prefix + UNIQUE_ID_KEY
         if self.spec.rank == 0:
-            unique_id = nccl.get_unique_id()
-            store.set(_UNIQUE_ID_KEY, pickle.dumps(unique_id))
+            unique_id = self._lib.unique_id()
+            store.set(key, unique_id)
             return unique_id
         try:
-            return pickle.loads(store.get(_UNIQUE_ID_KEY))
-        except RuntimeError as exc:
+            value = store.get(key)
+        except RuntimeError as exc:  # torch's store raises DistStoreError (a RuntimeError) on its timeout
             raise CommError(
                 f"[{self.spec.identity}] rank 0 did not publish the NCCL unique id within "
                 f"connect_timeout_s={self.spec.connect_timeout_s}: {exc}"
             ) from exc
+        return check_unique_id(value, self.spec.identity)
 
-    def _create(self, nccl, cupy, unique_id: tuple):
-        """ncclCommInitRank blocks until all ranks join; give up after the connect timeout."""
-        result: dict = {}
+    def _create(self, unique_id: bytes, deadline: float) -> CommHandle:
+        spec = self.spec
+        with torch.cuda.device(self._device):
+            return nccl_handle.create(self._lib, spec.world_size, unique_id, spec.rank, deadline,
+                                      f"{spec.identity} on {self._device}", spec.connect_timeout_s)
 
-        def create() -> None:
-            try:
-                with cupy.cuda.Device(self._device.index):
-                    result["comm"] = nccl.NcclCommunicator(self.spec.world_size, unique_id, self.spec.rank)
-            except Exception as exc:  # handed to the caller below, not swallowed
-                result["error"] = exc
-
-        thread = threading.Thread(target=create, name=f"nccl-init-round{self.spec.round_id}", daemon=True)
-        thread.start()
-        thread.join(self.spec.connect_timeout_s)
-        if thread.is_alive():
-            # The helper stays blocked in NCCL until the process exits; there is no handle to abort yet.
-            raise CommError(
-                f"[{self.spec.identity}] NCCL communicator not formed within "
-                f"connect_timeout_s={self.spec.connect_timeout_s}; a peer did not join"
-            )
-        if "error" in result:
-            raise CommError(f"[{self.spec.identity}] NCCL communicator creation failed: {result['error']}")
-        return result["comm"]
-
-    def raise_async_error(self) -> None:
+    def _warm_up(self, deadline: float) -> None:
+        """One tiny allreduce under the watchdog: every peer connected, or CommError."""
+        timeout_s = max(deadline - time.monotonic(), 1.0)
+        probe = torch.zeros(1, dtype=torch.int32, device=self._device)
         try:
-            self._comm.check_async_error()
-        except Exception as exc:  # cupy's NcclError: the communicator is broken
-            raise CommError(f"[{self.spec.identity}] NCCL reported an error: {exc}") from exc
+            self._guarded(self._allreduce, probe, ReduceOp.SUM, timeout_s).wait()
+        except CommError as exc:
+            raise CommError(f"[{self.spec.identity}] the NCCL ring did not connect within connect_timeout_s="
+                            f"{self.spec.connect_timeout_s}: {exc}") from exc
 
+    # ------------------------------------------------------------ watchdog target
+    def async_error(self) -> str | None:
+        handle = self._handle
+        status = handle.state() if handle is not None else None
+        if status is None or status in (nccl_lib.SUCCESS, nccl_lib.IN_PROGRESS):
+            return None
+        return handle.describe(status)
+
+    def watchdog_failed(self, error: CommError) -> None:
+        if self._error is None:
+            self._error = error
+        self._abort_nccl()
+
+    def raise_if_failed(self) -> None:
+        """Raise a CommError naming the first failure (e.g. the watchdog's) if there was one."""
+        error = self._error
+        if error is not None:
+            raise CommError(str(error) if isinstance(error, CommError) else
+                            f"[{self.spec.identity}] the communicator failed: {error!r}")
+
+    # ------------------------------------------------------------ collectives
     def _check_cuda(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
             if t.device != self._device:
@@ -173,37 +259,100 @@ class NcclCommunicator(Communicator):
             if not t.is_contiguous():
                 raise ValueError("NCCL collectives need contiguous tensors")
 
-    def _launch(self, tensors: tuple[torch.Tensor, ...], call, timeout_s: float) -> Work:
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        call(self._cupy_stream.ptr)
-        for t in tensors:
-            t.record_stream(self._stream)
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return _NcclWork(self, event, timeout_s)
+    def _launch(self, op: str, tensors: tuple[torch.Tensor, ...], call, args: tuple, timeout_s: float) -> Work:
+        handle = self._handle
+        if handle is None:
+            raise CommError(f"[{self.spec.identity}] the NCCL communicator is not formed")
+        stream = self._stream
+        with torch.cuda.device(self._device):
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            if call is not None:
+                try:
+                    status = handle.call(op, call, *args, stream.cuda_stream)
+                    if status == nccl_lib.IN_PROGRESS:
+                        # Non-blocking: NCCL enqueues the kernel from its own thread. The event below
+                        # must come after the kernel on the stream, so wait for the enqueue first.
+                        settle(handle, op, time.monotonic() + timeout_s)
+                except TimeoutError:
+                    raise CommError(f"[{self.spec.identity}] NCCL {op} was not launched within "
+                                    f"collective_timeout_s={timeout_s:g}") from None
+                except NcclError:
+                    self.raise_if_failed()  # the watchdog aborted it meanwhile: report its reason
+                    raise
+            for t in tensors:
+                t.record_stream(stream)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+        self._watchdog.watch(self, op, event.query, timeout_s)
+        return _NcclWork(self, event)
 
     def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, timeout_s: float) -> Work:
         self._check_cuda(tensor)
-        dtype, nccl_op = _nccl_dtype(self._nccl, tensor.dtype), _nccl_op(self._nccl, op)
-        ptr, count = tensor.data_ptr(), tensor.numel()
-        return self._launch((tensor,), lambda s: self._comm.allReduce(ptr, ptr, count, dtype, nccl_op, s), timeout_s)
+        dtype, nccl_op = reduce_dtype(tensor.dtype), reduce_op(op)
+        call = self._lib.all_reduce if tensor.numel() else None
+        return self._launch("allreduce", (tensor,), call, (tensor.data_ptr(), tensor.numel(), dtype, nccl_op),
+                            timeout_s)
 
+    # Broadcast and allgather copy bytes: any dtype (bool, complex, float8) moves as uint8.
     def _broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> Work:
         self._check_cuda(tensor)
-        dtype, ptr, count = _nccl_dtype(self._nccl, tensor.dtype), tensor.data_ptr(), tensor.numel()
-        return self._launch((tensor,), lambda s: self._comm.broadcast(ptr, ptr, count, dtype, root, s), timeout_s)
+        nbytes = tensor.numel() * tensor.element_size()
+        call = self._lib.broadcast if nbytes else None
+        return self._launch("broadcast", (tensor,), call, (tensor.data_ptr(), nbytes, nccl_lib.UINT8, root),
+                            timeout_s)
 
     def _allgather(self, output: torch.Tensor, tensor: torch.Tensor, timeout_s: float) -> Work:
         self._check_cuda(output, tensor)
-        dtype, count = _nccl_dtype(self._nccl, tensor.dtype), tensor.numel()
-        src, dst = tensor.data_ptr(), output.data_ptr()
-        return self._launch((output, tensor), lambda s: self._comm.allGather(src, dst, count, dtype, s), timeout_s)
+        nbytes = tensor.numel() * tensor.element_size()
+        if output.numel() * output.element_size() != nbytes * self.size or output.dtype != tensor.dtype:
+            raise ValueError(f"allgather output must be of shape ({self.size}, *{tuple(tensor.shape)}) and dtype "
+                             f"{tensor.dtype}, got {tuple(output.shape)} {output.dtype}")
+        call = self._lib.all_gather if nbytes else None
+        return self._launch("allgather", (output, tensor), call,
+                            (tensor.data_ptr(), output.data_ptr(), nbytes, nccl_lib.UINT8), timeout_s)
 
     def _barrier(self, timeout_s: float) -> Work:
-        return self._allreduce(torch.zeros(1, device=self._device), ReduceOp.SUM, timeout_s)
+        return self._allreduce(torch.zeros(1, dtype=torch.int32, device=self._device), ReduceOp.SUM, timeout_s)
+
+    # ------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """End a healthy round: finalize (flush), then destroy; abort if that fails or outlives
+        ``collective_timeout_s``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._error is not None:
+            self._abort_nccl()
+            return
+        try:
+            self._finalize(time.monotonic() + self.spec.collective_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:  # NcclError, a CUDA error, or the deadline
+            _log.warning("[%s] graceful NCCL close failed (%s); aborting instead", self.spec.identity, exc)
+            self._abort_nccl()
+
+    def _finalize(self, deadline: float) -> None:
+        handle = self._handle
+        if handle is None:
+            return
+        with torch.cuda.device(self._device):
+            nccl_handle.finalize_and_destroy(handle, deadline, self.spec.identity)
+        if self._watchdog is not None:
+            self._watchdog.forget(self)
 
     def _abort(self) -> None:
-        comm = getattr(self, "_comm", None)
-        if comm is not None:
-            comm.abort()  # never destroy(): it can block on a dead peer
+        self._abort_nccl()
 
+    def _abort_nccl(self) -> None:
+        """Abort (idempotent, from any thread): never ``ncclCommDestroy`` on a live ring."""
+        handle = self._handle
+        if handle is not None:
+            self._abort_handle(handle)
+
+    def _abort_handle(self, handle: CommHandle) -> None:
+        if self._watchdog is not None:
+            self._watchdog.forget(self)
+        with torch.cuda.device(self._device):
+            aborted = nccl_handle.abort(handle, self.spec.identity)
+        if aborted:
+            torch.cuda.empty_cache()  # the next communicator's buffers need the memory torch's cache may hold

@@ -1,0 +1,250 @@
+"""ctypes bindings of the few NCCL functions the NCCL backend needs.
+
+Why not cupy's ``NcclCommunicator``: cupy 13/14 create communicators with a
+*blocking* ``ncclCommInitRank`` (no handle until every peer joined, so a
+creation that outlives its deadline cannot be aborted; its ``__dealloc__``
+then runs ``ncclCommDestroy``) and expose neither ``ncclCommFinalize`` nor a
+non-blocking config. Here every communicator is created *non-blocking*
+(``ncclConfig_t.blocking = 0``): ``ncclCommInitRankConfig`` returns a handle at
+once, the connection proceeds in NCCL's own thread, and the handle can be
+aborted at any time (reliable from NCCL 2.25 on).
+
+In non-blocking mode every call may return ``ncclInProgress``; the caller then
+polls ``ncclCommGetAsyncError`` until it is not ``ncclInProgress`` before the
+next call on that communicator (see :mod:`elastic_ring.nccl_handle`).
+
+The library is the ``libnccl.so.2`` already loaded in the process (torch's
+CUDA wheels load it), else the ``nvidia-nccl-cu12`` wheel's, else the
+system's. Nothing here touches CUDA: the module imports and loads the library
+on machines without a GPU (every communicator creation then fails cleanly).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+
+#: NCCL from which ``ncclCommAbort`` reliably interrupts a communicator whose
+#: creation or collective is blocked on a lost peer.
+MIN_VERSION = (2, 25, 0)
+UNIQUE_ID_BYTES = 128
+API_MAGIC = 0xCAFEBEEF
+CONFIG_UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT (INT_MIN)
+#: ``version`` written into our ncclConfig_t: its layout is NCCL 2.17's. The
+#: struct is append-only; NCCL copies ``size`` bytes and keeps its defaults
+#: for every later field.
+CONFIG_VERSION = 21700
+
+SUCCESS = 0
+IN_PROGRESS = 7
+RESULT_NAMES = {
+    0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress", 8: "ncclTimeout",
+}
+
+#: ncclDataType_t
+INT8, UINT8, INT32, UINT32, INT64, UINT64, FLOAT16, FLOAT32, FLOAT64, BFLOAT16 = range(10)
+#: ncclRedOp_t
+SUM, PROD, MAX, MIN = range(4)
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
+class Config(ctypes.Structure):
+    """``ncclConfig_t`` as of NCCL 2.17 (``ncclConfig_v21700``)."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("magic", ctypes.c_uint),
+        ("version", ctypes.c_uint),
+        ("blocking", ctypes.c_int),
+        ("cgaClusterSize", ctypes.c_int),
+        ("minCTAs", ctypes.c_int),
+        ("maxCTAs", ctypes.c_int),
+        ("netName", ctypes.c_char_p),
+        ("splitShare", ctypes.c_int),
+    ]
+
+
+def nonblocking_config() -> Config:
+    """NCCL_CONFIG_INITIALIZER with ``blocking = 0``."""
+    u = CONFIG_UNDEF_INT
+    return Config(ctypes.sizeof(Config), API_MAGIC, CONFIG_VERSION, 0, u, u, u, None, u)
+
+
+class NcclError(RuntimeError):
+    """An NCCL call returned an error code (``status``)."""
+
+    def __init__(self, what: str, status: int, detail: str = "") -> None:
+        self.status = status
+        name = RESULT_NAMES.get(status, f"ncclResult {status}")
+        super().__init__(f"{what} failed with {name}" + (f": {detail}" if detail else ""))
+
+
+class NcclUnavailable(RuntimeError):
+    """No usable NCCL library (missing, or older than :data:`MIN_VERSION`)."""
+
+
+def version_tuple(code: int) -> tuple[int, int, int]:
+    """``ncclGetVersion``'s integer as (major, minor, patch): X*10000+Y*100+Z since 2.9, X*1000+Y*100+Z before."""
+    if not isinstance(code, int) or code < 0:
+        raise ValueError(f"NCCL version code {code!r} must be an int >= 0")
+    if code >= 10000:
+        return code // 10000, code // 100 % 100, code % 100
+    return code // 1000, code // 100 % 10, code % 100
+
+
+def check_version(code: int, path: str = "libnccl.so.2") -> tuple[int, int, int]:
+    """Raise :class:`NcclUnavailable` unless the runtime NCCL is at least :data:`MIN_VERSION`."""
+    found = version_tuple(code)
+    if found < MIN_VERSION:
+        have, need = ".".join(map(str, found)), ".".join(map(str, MIN_VERSION))
+        raise NcclUnavailable(
+            f"NCCL {have} (from {path}) is too old for backend='nccl': abort of a hung communicator is reliable "
+            f"only from NCCL {need}; pip install 'nvidia-nccl-cu12>={need}' (torch's CUDA wheels load the "
+            "libnccl.so.2 of that package)"
+        )
+    return found
+
+
+def candidate_paths() -> list[str]:
+    """Where to look for libnccl, in order (the first that loads wins)."""
+    paths = []
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):  # no "nvidia" namespace package at all
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        paths += [os.path.join(p, "lib", "libnccl.so.2") for p in spec.submodule_search_locations]
+    paths.append("libnccl.so.2")  # the system's loader path
+    return paths
+
+
+def _open() -> tuple[ctypes.CDLL, str]:
+    try:  # the copy torch (or cupy) already loaded: one NCCL per process where possible
+        return ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD), "libnccl.so.2 (already loaded)"
+    except OSError:
+        pass
+    errors = []
+    for path in candidate_paths():
+        if os.path.isabs(path) and not os.path.exists(path):
+            continue
+        try:
+            return ctypes.CDLL(path), path
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+    raise NcclUnavailable(
+        "no NCCL library found (" + ("; ".join(errors) or "looked for libnccl.so.2") + "); install "
+        "elastic-ring[gpu] (nvidia-nccl-cu12) on a GPU machine, or use backend='gloo'"
+    )
+
+
+_c_void_p, _c_int, _c_size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+
+
+class NcclLibrary:
+    """The typed functions of one loaded libnccl. Return codes are ``ncclResult_t`` ints."""
+
+    _SIGNATURES: dict[str, tuple[object, list]] = {
+        "ncclGetVersion": (_c_int, [ctypes.POINTER(_c_int)]),
+        "ncclGetUniqueId": (_c_int, [ctypes.POINTER(UniqueId)]),
+        "ncclGetErrorString": (ctypes.c_char_p, [_c_int]),
+        "ncclGetLastError": (ctypes.c_char_p, [_c_void_p]),
+        "ncclCommInitRankConfig": (_c_int, [ctypes.POINTER(_c_void_p), _c_int, UniqueId, _c_int,
+                                            ctypes.POINTER(Config)]),
+        "ncclCommGetAsyncError": (_c_int, [_c_void_p, ctypes.POINTER(_c_int)]),
+        "ncclCommFinalize": (_c_int, [_c_void_p]),
+        "ncclCommDestroy": (_c_int, [_c_void_p]),
+        "ncclCommAbort": (_c_int, [_c_void_p]),
+        "ncclAllReduce": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
+        "ncclBroadcast": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
+        "ncclAllGather": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_void_p, _c_void_p]),
+    }
+
+    def __init__(self, cdll: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        for name, (restype, argtypes) in self._SIGNATURES.items():
+            try:
+                fn = getattr(cdll, name)
+            except AttributeError:
+                raise NcclUnavailable(f"{path} has no {name}: it is not a usable NCCL (need >= 2.25)") from None
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, "_" + name, fn)
+
+    def version(self) -> int:
+        value = _c_int()
+        self._ok("ncclGetVersion", self._ncclGetVersion(ctypes.byref(value)))
+        return value.value
+
+    def unique_id(self) -> bytes:
+        uid = UniqueId()
+        self._ok("ncclGetUniqueId", self._ncclGetUniqueId(ctypes.byref(uid)))
+        return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
+
+    def error_string(self, status: int) -> str:
+        text = self._ncclGetErrorString(status)
+        return text.decode(errors="replace") if text else RESULT_NAMES.get(status, str(status))
+
+    def last_error(self, comm: int | None) -> str:
+        text = self._ncclGetLastError(comm)
+        return text.decode(errors="replace") if text else ""
+
+    def init_rank_nonblocking(self, world_size: int, unique_id: bytes, rank: int) -> tuple[int | None, int]:
+        """Start creating a non-blocking communicator: ``(handle or None, status)``.
+
+        Status ``ncclInProgress`` is the normal answer: poll :meth:`async_error`.
+        Uses the calling thread's current CUDA device."""
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        uid = UniqueId()
+        ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
+        comm, config = _c_void_p(), nonblocking_config()
+        status = self._ncclCommInitRankConfig(ctypes.byref(comm), world_size, uid, rank, ctypes.byref(config))
+        return comm.value, status
+
+    def async_error(self, comm: int) -> int:
+        result = _c_int(SUCCESS)
+        self._ok("ncclCommGetAsyncError", self._ncclCommGetAsyncError(comm, ctypes.byref(result)))
+        return result.value
+
+    def all_reduce(self, comm: int, ptr: int, count: int, dtype: int, op: int, stream: int) -> int:
+        return self._ncclAllReduce(ptr, ptr, count, dtype, op, comm, stream)
+
+    def broadcast(self, comm: int, ptr: int, count: int, dtype: int, root: int, stream: int) -> int:
+        return self._ncclBroadcast(ptr, ptr, count, dtype, root, comm, stream)
+
+    def all_gather(self, comm: int, src: int, dst: int, count: int, dtype: int, stream: int) -> int:
+        return self._ncclAllGather(src, dst, count, dtype, comm, stream)
+
+    def finalize(self, comm: int) -> int:
+        return self._ncclCommFinalize(comm)
+
+    def destroy(self, comm: int) -> int:
+        return self._ncclCommDestroy(comm)
+
+    def abort(self, comm: int) -> int:
+        return self._ncclCommAbort(comm)
+
+    def _ok(self, what: str, status: int) -> None:
+        if status != SUCCESS:
+            raise NcclError(what, status, self.error_string(status))
+
+
+_lock = threading.Lock()
+_library: NcclLibrary | None = None
+
+
+def load() -> NcclLibrary:
+    """The process's NCCL library (loaded once); raises :class:`NcclUnavailable` with the fix."""
+    global _library
+    with _lock:
+        if _library is None:
+            cdll, path = _open()
+            lib = NcclLibrary(cdll, path)
+            check_version(lib.version(), path)
+            _library = lib
+        return _library
