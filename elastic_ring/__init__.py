@@ -3,7 +3,7 @@
 This package knows nothing of Ray or of training state. It offers:
 
 * a ring per *round* (:class:`RingSpec`, :func:`init`), re-formed in the same
-  process when membership changes, over gloo (CPU) or NCCL via cupy (CUDA);
+  process when membership changes, over gloo (CPU) or NCCL (CUDA, libnccl through ctypes);
 * Horovod-style collectives over the current ring, each with a timeout and a
   cross-rank check of what the ranks passed;
 * :func:`DistributedOptimizer`, :func:`broadcast_parameters` and

@@ -48,8 +48,8 @@ COLLECTIVE_TIMEOUT_S: float = _env_float("ELASTIC_RING_COLLECTIVE_TIMEOUT_S", 60
 #: How long forming a communicator may take (store connect, peer handshake).
 CONNECT_TIMEOUT_S: float = _env_float("ELASTIC_RING_CONNECT_TIMEOUT_S", 60.0)
 
-#: Poll interval of the NCCL watchdog that waits on a CUDA event with a timeout.
-NCCL_POLL_INTERVAL_S: float = _env_float("ELASTIC_RING_NCCL_POLL_INTERVAL_S", 0.0005)
+#: How often the NCCL watchdog thread looks at the deadlines and errors of the collectives in flight.
+NCCL_WATCHDOG_INTERVAL_S: float = _env_float("ELASTIC_RING_NCCL_WATCHDOG_INTERVAL_S", 0.02)
 
 #: Threads of one gloo process group (concurrent collectives in flight).
 GLOO_THREADS: int = _env_int("ELASTIC_RING_GLOO_THREADS", 2)

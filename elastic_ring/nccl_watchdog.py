@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from .constants import NCCL_WATCHDOG_INTERVAL_S
 from .errors import CommError
 from .log import get_logger
 
@@ -37,7 +38,7 @@ _log = get_logger(__name__)
 
 #: How often the thread polls. A deadline is kept to within this; an async
 #: error is seen within this. Modest on purpose: it runs beside training.
-WATCHDOG_INTERVAL_S = 0.02
+WATCHDOG_INTERVAL_S = NCCL_WATCHDOG_INTERVAL_S
 
 
 class WatchTarget(Protocol):

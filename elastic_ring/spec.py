@@ -44,7 +44,7 @@ class RingSpec:
         world_size: number of ranks in the round.
         node_ids: the node of each rank, indexed by rank; gives local rank/size.
         store: the rendezvous TCP store.
-        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors, via cupy).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors, NCCL).
         job_id: namespace of the job's keys in the store.
         collective_timeout_s: a collective that takes longer raises CommError.
         connect_timeout_s: forming the communicator that takes longer raises CommError.

@@ -12,6 +12,7 @@ from elastic_ring.validation import check_bool, check_int, check_number, is_numb
 from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
 
 from .decisions import Limits
+from .devices import check_gpus_per_worker
 
 _OWNER = "ElasticTrainer"
 #: The persistence cadence used when only checkpoint_uri is given (plus a checkpoint at every stop and drain).
@@ -66,10 +67,7 @@ class TrainerConfig:
             check_number(_OWNER, "gpus_per_worker", self.gpus_per_worker, unit="GPUs")
             if not self.use_gpu:
                 raise ValueError(f"ElasticTrainer gpus_per_worker={self.gpus_per_worker} needs use_gpu=True")
-            if self.gpus_per_worker != int(self.gpus_per_worker):
-                raise ValueError(
-                    f"ElasticTrainer gpus_per_worker={self.gpus_per_worker} is fractional: two ranks of one NCCL "
-                    "communicator cannot share a GPU (NCCL refuses them); use a whole number of GPUs per worker")
+            check_gpus_per_worker(self.use_gpu, self.gpus_per_worker)
         if not isinstance(self.resources_per_worker, dict) or not all(
             isinstance(k, str) and is_number(v) and v > 0 for k, v in self.resources_per_worker.items()
         ):

@@ -22,6 +22,7 @@ import state as state_pkg
 from elastic_ring.store import connect
 
 from .channel import Channel, with_retries
+from .devices import worker_cuda_device
 from .protocol import Keys
 from .worker_rendezvous import JobStopped, WorkerRendezvous
 
@@ -128,7 +129,9 @@ class RingWorker:
         if settings.get("use_gpu"):
             import torch
 
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            device = worker_cuda_device()  # from Ray's GPU ids and CUDA_VISIBLE_DEVICES (NOSET-aware)
+            torch.cuda.set_device(device)
+            self._rendezvous.cuda_device = device  # every ring spec names it: the current device is per thread
 
     def run(self, fn: Callable[[dict], Any], config: dict, settings: dict) -> Any:
         """Run ``fn(config)`` as one worker of the job; returns what it returns."""

@@ -32,6 +32,7 @@ class WorkerRendezvous:
         self._id, self._secret, self._silence_s = worker_id, secret, silence_s
         self.generation = 0
         self.waiting: tuple[int, str] | None = None  # (generation, reason) while at the rendezvous
+        self.cuda_device: int | None = None  # this worker's GPU (NCCL rings), put into every spec
         self._synced_rounds: set[int] = set()
 
     def next_ring(self, reason: str) -> er.RingSpec:
@@ -68,7 +69,7 @@ class WorkerRendezvous:
             if msg["k"] != "ring":
                 continue
             try:
-                spec = er.RingSpec.from_wire(msg["spec"], self._secret)
+                spec = er.RingSpec.from_wire({**msg["spec"], "cuda_device": self.cuda_device}, self._secret)
             except (ValueError, TypeError, KeyError) as exc:
                 raise er.RendezvousError(f"worker {self._id}: the driver's ring answer is invalid: {exc}") from exc
             if msg.get("stop"):

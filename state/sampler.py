@@ -38,16 +38,23 @@ import torch
 
 import elastic_ring as er
 
+from elastic_ring.validation import check_bool, check_int, is_int
+
 from .sampler_layout import share, step_sizes
 
 
 class ElasticSampler(torch.utils.data.Sampler):
     def __init__(self, dataset: Sized | int, batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
-        size = dataset if isinstance(dataset, int) else len(dataset)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"ElasticSampler batch_size={batch_size!r} must be an int >= 1")
-        if size < 0:
-            raise ValueError(f"ElasticSampler dataset size {size} must be >= 0")
+        if is_int(dataset):
+            size = dataset
+        elif isinstance(dataset, bool) or not hasattr(dataset, "__len__"):
+            raise ValueError(f"ElasticSampler dataset={dataset!r} must be a dataset with len() or its size as an int")
+        else:
+            size = len(dataset)
+        check_int("ElasticSampler", "dataset size", size, minimum=0)
+        check_int("ElasticSampler", "batch_size", batch_size, minimum=1)
+        check_bool("ElasticSampler", "shuffle", shuffle)
+        check_int("ElasticSampler", "seed", seed, minimum=0, hint="the same seed on every rank gives the same order")
         self.num_samples = size
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -79,6 +86,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning."""
+        check_int("ElasticSampler.set_epoch", "epoch", epoch, minimum=0)
         self.epoch = epoch
         self.processed = 0
         self.reset(self._rank, self._world)

@@ -6,9 +6,17 @@
   membership change; if so, every rank raises :class:`MembershipChanged` at
   this same commit, after the snapshot is complete.
 * ``restore()`` puts the last commit back (local; no communication).
-* ``sync(root_rank=0)`` broadcasts root's values to every rank (a joiner gets
-  everything it needs) and commits locally. On a job's first sync, if durable
-  checkpoints are enabled and one exists, root first loads the newest valid one.
+* ``on_failure(exc)`` (called by the elastic loop when a collective failed)
+  notes whether this rank's live state is whole (``exc.live_state_consistent``);
+  nothing is rolled back yet.
+* ``sync()`` first agrees, in one allgather of four integers per rank, on the
+  root and the mode (:mod:`state.recovery`): continue from the newest *live*
+  state of a rank whose state is whole (no rollback: a failure at a step
+  boundary loses at most the step in flight), roll back to the newest commit
+  when no rank's live state can be trusted, or start fresh (resuming from the
+  newest durable checkpoint, if enabled) when no rank holds state yet. Then
+  the root's values go to every rank (a joiner gets everything it needs), and
+  every rank commits locally.
 * ``register_reset_callbacks`` adds callbacks run after the ring is re-formed.
 
 Attributes are read and assigned as plain attributes: ``state.epoch += 1``.
@@ -20,6 +28,8 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
+import torch
+
 import elastic_ring as er
 from elastic_ring.log import get_logger
 
@@ -27,7 +37,8 @@ from . import membership
 from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointStore
 from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
-from .handlers import handler_for
+from .handlers import OptimizerHandler, handler_for
+from .recovery import CONSISTENT, DIRTY, WHOLE, Mode, RankStatus, SyncDecision, decide_sync
 from .sampler import ElasticSampler
 
 _log = get_logger(__name__)
@@ -62,7 +73,10 @@ class State:
         object.__setattr__(self, "_snapshot", None)
         object.__setattr__(self, "_reset_callbacks", [])
         object.__setattr__(self, "_commits", 0)
-        object.__setattr__(self, "_synced", False)
+        object.__setattr__(self, "_holds", False)         # completed a sync: holds the job's state
+        object.__setattr__(self, "_trust", CONSISTENT)    # how the live state came out of the last failure
+        object.__setattr__(self, "_base", (0, 0, 0))      # (version, commits, applied steps) at the last sync
+        object.__setattr__(self, "_commit_version", 0)
         object.__setattr__(self, "_checkpoint", None)
         object.__setattr__(self, "_writer", None)
         object.__setattr__(self, "_last_persist", time.monotonic())
@@ -93,6 +107,21 @@ class State:
         """Number of commits made by this process."""
         return self._commits
 
+    # ------------------------------------------------------------ versions
+    def _applied(self) -> int:
+        """Optimizer steps applied in this process (DistributedOptimizer counts them)."""
+        return sum(int(getattr(h.value, "applied_steps", 0)) for h in self._handlers.values()
+                   if isinstance(h, OptimizerHandler))
+
+    @property
+    def version(self) -> int:
+        """How far the live state got: +1 per applied optimizer step and per commit (see :mod:`state.recovery`)."""
+        version, commits, applied = self._base
+        return version + (self._commits - commits) + (self._applied() - applied)
+
+    def _rebase(self, version: int) -> None:
+        object.__setattr__(self, "_base", (version, self._commits, self._applied()))
+
     # ------------------------------------------------------------ commit / restore
     def _save(self) -> None:
         object.__setattr__(self, "_snapshot", {n: h.snapshot() for n, h in self._handlers.items()})
@@ -102,6 +131,7 @@ class State:
         with er.timeline.span("commit", "state", commit=self._commits + 1):
             self._save()
             object.__setattr__(self, "_commits", self._commits + 1)
+            object.__setattr__(self, "_commit_version", self.version)
             self._maybe_persist()
             self.check_membership()
 
@@ -110,9 +140,13 @@ class State:
         pending change, or :class:`TrainingStopped` if the job must stop; persist first if asked."""
         if not er.is_initialized():
             return
-        changed, persist, stop = er.agree_max("State.commit", [int(membership.membership_change_requested()),
-                                                               int(membership.persist_requested()),
-                                                               int(membership.stop_requested())])
+        try:
+            changed, persist, stop = er.agree_max("State.commit", [int(membership.membership_change_requested()),
+                                                                   int(membership.persist_requested()),
+                                                                   int(membership.stop_requested())])
+        except er.CommError as exc:
+            exc.live_state_consistent = True  # the commit is complete: the state is whole
+            raise
         if not (changed or stop):
             return
         membership.clear_membership_change()
@@ -133,31 +167,72 @@ class State:
         return self._snapshot is not None
 
     def restore(self) -> None:
-        """Put back the last commit."""
+        """Put back the last commit (local; no communication)."""
         with er.timeline.span("restore", "state"):
             if self._snapshot is None:
                 raise RuntimeError("restore() before any commit or sync: there is nothing to restore to")
             for name, handler in self._handlers.items():
                 handler.restore(self._snapshot[name])
+            self._clear_grads()
+            self._rebase(self._commit_version)
+
+    def on_failure(self, exc: BaseException) -> None:
+        """A collective failed: note whether this rank's live state is whole. The next :meth:`sync`
+        decides, with every rank, whether the ring continues from a live state or rolls back."""
+        if self._holds and self._trust == CONSISTENT:  # the first failure since the last sync tells
+            trust = WHOLE if getattr(exc, "live_state_consistent", False) else DIRTY
+            object.__setattr__(self, "_trust", trust)
+            if trust == DIRTY:
+                _log.warning("a collective of the training function failed mid-step: this rank's live state is not "
+                             "trusted; the ring continues from a whole one, or rolls back to the last commit")
+
+    def _clear_grads(self) -> None:
+        """Gradients of a step that did not complete must not leak into the next one."""
+        for handler in self._handlers.values():
+            if isinstance(handler.value, torch.nn.Module):
+                for p in handler.value.parameters():
+                    p.grad = None
 
     # ------------------------------------------------------------ sync / reset
-    def sync(self, root_rank: int = 0) -> None:
-        """Give every rank root's state (resuming from a checkpoint on the job's first sync)."""
-        with er.timeline.span("sync", "state", root=root_rank):
-            if not self._synced:
-                object.__setattr__(self, "_synced", True)
-                if self._checkpoint is not None and er.rank() == root_rank:
+    def _statuses(self) -> list[RankStatus]:
+        mine = RankStatus(self._holds, self._trust, self.version, self._commit_version)
+        rows = er.allgather(torch.tensor([mine.as_row()], dtype=torch.int64), name="State.sync status")
+        return [RankStatus.from_row(row) for row in rows.tolist()]
+
+    def sync(self, root_rank: int | None = None) -> None:
+        """Give every rank the job's state: the newest whole live state, the newest commit, or (on a job's
+        first sync) the initial or resumed state; ``root_rank`` forces the root. Then commit locally."""
+        with er.timeline.span("sync", "state"):
+            statuses = self._statuses()
+            if root_rank is None:
+                decision = decide_sync(statuses)
+            else:
+                decision = SyncDecision(root_rank, Mode.LIVE if statuses[root_rank].holds else Mode.FRESH)
+            root = decision.root
+            if er.rank() == root:
+                if decision.mode is Mode.ROLLBACK:
+                    self.restore()
+                elif decision.mode is Mode.FRESH and self._checkpoint is not None:
                     self._resume()
-            names = er.broadcast_object(self.names, root_rank, name="State.sync names")
+            names = er.broadcast_object(self.names, root, name="State.sync names")
             if names != self.names:
                 raise ValueError(f"rank {er.rank()} holds state values {self.names}, root holds {names}; "
                                  "build the same TorchState on every rank")
-            tree = er.broadcast_tree({n: h.to_tree() for n, h in self._handlers.items()} if er.rank() == root_rank else None,
-                                     root_rank, name="State.sync")
-            if er.rank() != root_rank:
+            tree = er.broadcast_tree({n: h.to_tree() for n, h in self._handlers.items()} if er.rank() == root else None,
+                                     root, name="State.sync")
+            if er.rank() != root:
                 for name, handler in self._handlers.items():
                     handler.load_tree(tree[name])
+                self._clear_grads()
+            status = statuses[root]
+            version = {Mode.LIVE: status.version, Mode.ROLLBACK: status.commit_version, Mode.FRESH: 0}[decision.mode]
+            self._rebase(version)
+            object.__setattr__(self, "_holds", True)
+            object.__setattr__(self, "_trust", CONSISTENT)
             self._save()
+            object.__setattr__(self, "_commit_version", version)
+            if decision.mode is not Mode.FRESH and (decision.mode is Mode.ROLLBACK or statuses != [status] * len(statuses)):
+                _log.info("synced from rank %d (%s state, version %d)", root, decision.mode.value, version)
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callbacks run after every re-forming of the ring (e.g. rescale the LR to the new size)."""

@@ -1,0 +1,40 @@
+"""Who gives a re-formed ring its state, and from which point (state.recovery), as a table."""
+
+import pytest
+
+from state.recovery import CONSISTENT, DIRTY, WHOLE, Mode, RankStatus, decide_sync
+
+
+def S(holds=True, trust=CONSISTENT, version=10, commit=8):
+    return RankStatus(holds, trust, version, commit)
+
+
+@pytest.mark.parametrize("ranks, root, mode", [
+    # a fresh job (or every rank a joiner): rank 0, which resumes from a checkpoint if there is one
+    ([S(holds=False), S(holds=False)], 0, Mode.FRESH),
+    # a join or a drain: every holder is consistent and equal; the joiner receives
+    ([S(), S(), S(holds=False)], 0, Mode.LIVE),
+    ([S(holds=False), S(), S()], 1, Mode.LIVE),
+    # a failure in the gradient reduction: nobody applied it; live state, no rollback
+    ([S(trust=WHOLE), S(trust=WHOLE)], 0, Mode.LIVE),
+    # the ring broke after rank 1 applied step 11 while rank 0 did not: rank 1's newer live state wins
+    ([S(trust=WHOLE, version=10), S(trust=WHOLE, version=11)], 1, Mode.LIVE),
+    # rank 0 applied the step but failed in a user collective before its bookkeeping (dirty);
+    # rank 1 is whole but one step behind: the whole one wins, rank 0's half-done step is discarded
+    ([S(trust=DIRTY, version=11), S(trust=WHOLE, version=10)], 1, Mode.LIVE),
+    # every holder dirty: roll back to the newest commit
+    ([S(trust=DIRTY, version=11, commit=8), S(trust=DIRTY, version=11, commit=9)], 1, Mode.ROLLBACK),
+    ([S(trust=DIRTY, commit=9), S(trust=DIRTY, commit=9), S(holds=False)], 0, Mode.ROLLBACK),
+    # a joiner never roots, even with a large version
+    ([S(holds=False, version=99), S(trust=WHOLE, version=10)], 1, Mode.LIVE),
+])
+def test_decide_sync(ranks, root, mode):
+    decision = decide_sync(ranks)
+    assert (decision.root, decision.mode) == (root, mode)
+
+
+def test_rows_round_trip_and_bad_codes():
+    s = S(trust=DIRTY, version=12, commit=3)
+    assert RankStatus.from_row(s.as_row()) == s
+    with pytest.raises(ValueError, match="trust code"):
+        RankStatus.from_row([1, 7, 0, 0])
