@@ -73,6 +73,10 @@ class FaultPoint:
         return (FaultPoint, ())
 
 
+# FaultPoint is plain data to a checkpoint: let a safe (weights_only) load accept it, as users do for their types
+torch.serialization.add_safe_globals([FaultPoint])
+
+
 class FaultFile:
     """The test arms faults by writing ``[{"id": n, "kind": ..., "rank": r}, ...]`` into ``path``."""
 

@@ -1,0 +1,121 @@
+"""Zero lost steps without per-step commits (real gloo rings, the real elastic loop, no Ray).
+
+The job is the chaos suite's closed form: ``w`` trained with SGD (lr 1) on gradients *summed* over the
+ring, sample ``i`` contributing the integer vector ``v(i)``, so ``w == -epochs * sum_i v(i)`` bit for
+bit iff every sample is applied exactly once per epoch. Each sample's hit count rides in the same
+reduction (a second parameter whose gradient is the batch's hits), so the step's bookkeeping is atomic
+with its update. Commits happen only at epoch ends. Each scenario injects one failure at step K and
+measures the steps redone: the last step a rank completed before the failure, minus the step the ring
+restarted from.
+
+* ``reduction``: a rank dies at the start of step K; the survivors fail inside the gradient reduction,
+  keep their live state and redo nothing.
+* ``split``: the ring breaks after some ranks completed step K's reduction and applied it while another
+  did not (it gives up right after its reduction, before applying): the ring converges on the applied
+  state of the ranks that got furthest, nothing is redone, nothing is applied twice.
+* ``bookkeeping``: the job counts hits with a collective of its own after ``optimizer.step()``; a rank
+  dies between the step and that collective: no rank's live state can be trusted, the ring rolls back
+  to the last commit (the documented fallback) and the result is still exact.
+"""
+
+import os
+import signal
+import uuid
+
+import torch
+
+import elastic_ring as er
+from state import ElasticSampler, TorchState
+from tests.chaos.invariant_job import DIM, N_SAMPLES, expected_w, sample_vector
+from tests.local_rendezvous import StoreRendezvous
+
+EPOCHS, BATCH, K = 4, 2, 19
+
+
+def _job(host, port, job, scenario, worlds):
+    er.elastic.set_rendezvous(StoreRendezvous(host, port, job, worlds=worlds))
+    first_rank = er.rank()
+    vectors = torch.stack([sample_vector(i) for i in range(N_SAMPLES)])
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
+    holder.count = torch.nn.Parameter(torch.zeros(N_SAMPLES, dtype=torch.float64))  # -hits, reduced with w
+    opt = er.DistributedOptimizer(torch.optim.SGD(holder.parameters(), lr=1.0), holder.named_parameters(), op=er.Sum)
+    state = TorchState(model=holder, optimizer=opt, sampler=ElasticSampler(N_SAMPLES, batch_size=BATCH, seed=7),
+                       epoch=0, step=0, seen=torch.zeros(N_SAMPLES, dtype=torch.float64))
+    log = []  # (round, step) after each completed step
+
+    @er.elastic.run
+    def loop(state):
+        while state.epoch < EPOCHS:
+            for batch in state.sampler:
+                at_k = state.step + 1 == K and er.round_id() == first_round
+                if at_k and scenario == "reduction" and first_rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                idx = torch.tensor(batch, dtype=torch.long)
+                hits = torch.zeros(N_SAMPLES, dtype=torch.float64)
+                hits[idx] += 1
+                opt.zero_grad()
+                ((holder.w * vectors[idx].sum(0)).sum() + (holder.count * hits).sum()).backward()
+                if at_k and scenario == "split" and first_rank == 1:
+                    opt.synchronize()                  # the reduction completes everywhere ...
+                    er.runtime.current().abort()       # ... then this rank's ring breaks before it applies
+                    exc = er.CommError("injected: the ring broke after the reduction, before the apply")
+                    exc.live_state_consistent = True
+                    raise exc
+                opt.step()
+                if at_k and scenario == "bookkeeping" and first_rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)  # after the update, before the bookkeeping collective
+                if scenario == "bookkeeping":
+                    state.seen = state.seen + er.allreduce(hits, op=er.Sum)
+                state.sampler.record_batch()
+                state.step += 1
+                log.append((er.round_id(), state.step))
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+        return state.step
+
+    first_round = er.round_id()
+    steps = loop(state)
+    seen = state.seen if scenario == "bookkeeping" else -holder.count.detach()
+    every = er.allgather_object(holder.w.detach().clone())
+    return dict(steps=steps, log=log, first_rank=first_rank, exact=torch.equal(holder.w.detach(), expected_w(EPOCHS)),
+                identical=all(torch.equal(every[0], w) for w in every), seen=seen.tolist(), world=er.size())
+
+
+def redone(log, first_round):
+    """Steps this rank completed before the failure that the ring then trained again."""
+    before = [s for r, s in log if r == first_round]
+    after = [s for r, s in log if r > first_round]
+    return max(before) - (min(after) - 1)
+
+
+def run(ring, scenario, worlds):
+    job = f"live-{scenario}-{uuid.uuid4().hex[:6]}"
+    results = ring.start(_job, "127.0.0.1", ring.address.port, job, scenario, worlds).results(
+        timeout_s=120, raise_errors=False)
+    survivors = [r for r in results if isinstance(r, dict)]
+    assert len(survivors) == worlds[-1], results
+    for r in survivors:
+        assert r["exact"] and r["identical"], r
+        assert r["seen"] == [float(EPOCHS)] * N_SAMPLES
+    first_round = min(rnd for r in survivors for rnd, _ in r["log"])
+    return survivors, first_round
+
+
+def test_a_death_in_the_gradient_reduction_redoes_no_step(ring):
+    survivors, first_round = run(ring, "reduction", [3, 2])
+    assert [redone(r["log"], first_round) for r in survivors] == [0, 0]
+
+
+def test_a_ring_broken_between_reduction_and_apply_converges_on_the_applied_state(ring):
+    survivors, first_round = run(ring, "split", [3, 3])
+    by_rank = {r["first_rank"]: redone(r["log"], first_round) for r in survivors}
+    # ranks 0 and 2 applied step K and go on from it; rank 1 never completed it and receives it
+    assert by_rank[0] == 0 and by_rank[2] == 0 and by_rank[1] == -1, by_rank
+
+
+def test_a_death_in_a_user_collective_mid_step_falls_back_to_the_last_commit(ring):
+    survivors, first_round = run(ring, "bookkeeping", [3, 2])
+    # the last commit was at the end of epoch 2 (step 16 at world 3); K-1 = 18 steps were complete
+    assert [redone(r["log"], first_round) for r in survivors] == [K - 1 - 16] * 2
