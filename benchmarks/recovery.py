@@ -4,6 +4,9 @@ For each of ``--runs`` runs, 3 gloo CPU workers train a small MLP; rank 2 SIGKIL
 after writing the time. We measure:
 
   recovery  seconds from the kill to the survivors' first completed step in the new ring
+  redone    steps completed before the kill that the new ring trained again (ours commit only at
+            epoch ends by default, --commit-every N commits every N steps; Ray Train checkpoints
+            every step)
   join      seconds the survivors pause when the replacement worker joins (the gap between the
             last step of the old ring and the first of the new one, minus one median step)
 
@@ -67,7 +70,8 @@ def ours_train(config: dict):
                 state.sampler.record_batch()
                 state.step += 1
                 er.report(step=state.step)
-                state.commit()
+                if config["commit_every"] and state.step % config["commit_every"] == 0:
+                    state.commit()
                 time.sleep(config["step_delay_s"])
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
@@ -115,25 +119,27 @@ def ray_train_loop(config: dict):
         time.sleep(config["step_delay_s"])
 
 
-def measure_ours(step_delay_s: float, trainer_kwargs: dict) -> tuple[float, float | None]:
+def measure_ours(step_delay_s: float, commit_every: int, trainer_kwargs: dict) -> tuple[float, int, float | None]:
     with tempfile.TemporaryDirectory() as tmp:
         kill_file = os.path.join(tmp, "killed")
         result = ElasticTrainer(min_workers=2, max_workers=3, progress=False, **trainer_kwargs).run(
-            ours_train, config={"epochs": 3, "kill_file": kill_file, "step_delay_s": step_delay_s})
+            ours_train, config={"epochs": 2, "kill_file": kill_file, "step_delay_s": step_delay_s,
+                                "commit_every": commit_every})
         killed_at = float(pathlib.Path(kill_file).read_text())
-    by_round: dict[int, list[float]] = {}
+    by_round: dict[int, list[tuple[float, int]]] = {}
     for m in result.metrics:
-        by_round.setdefault(m["round"], []).append(m["time"])
-    recovery = min(by_round[2]) - killed_at
+        by_round.setdefault(m["round"], []).append((m["time"], m["step"]))
+    recovery = min(t for t, _ in by_round[2]) - killed_at
+    redone = max(s for _, s in by_round[1]) - (min(s for _, s in by_round[2]) - 1)
     join = None
     if 3 in by_round:
-        steps = sorted(t for times in by_round.values() for t in times)
-        typical = statistics.median(b - a for a, b in zip(steps, steps[1:]))
-        join = min(by_round[3]) - max(by_round[2]) - typical
-    return recovery, join
+        times = sorted(t for entries in by_round.values() for t, _ in entries)
+        typical = statistics.median(b - a for a, b in zip(times, times[1:]))
+        join = min(t for t, _ in by_round[3]) - max(t for t, _ in by_round[2]) - typical
+    return recovery, redone, join
 
 
-def measure_ray_train(step_delay_s: float) -> float:
+def measure_ray_train(step_delay_s: float) -> tuple[float, int]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -145,13 +151,18 @@ def measure_ray_train(step_delay_s: float) -> float:
                      run_config=RunConfig(storage_path=tmp, name="bench", failure_config=FailureConfig(max_failures=1)),
                      ).fit()
         killed_at = float(pathlib.Path(config["kill_file"]).read_text())
-        resumed = [float(line.split()[0]) for line in pathlib.Path(config["log_file"]).read_text().splitlines()
-                   if line.split()[2] == "True"]
-    return min(resumed) - killed_at
+        lines = [line.split() for line in pathlib.Path(config["log_file"]).read_text().splitlines()]
+    before = [int(step) for _, step, resumed in lines if resumed == "False"]
+    after = [(float(t), int(step)) for t, step, resumed in lines if resumed == "True"]
+    return min(t for t, _ in after) - killed_at, max(before) - (min(s for _, s in after) - 1)
 
 
 def summary(name: str, values: list[float]) -> str:
-    return f"{name:<34} median {statistics.median(values):7.3f} s   worst {max(values):7.3f} s   (n={len(values)})"
+    return f"{name:<40} median {statistics.median(values):7.3f} s   worst {max(values):7.3f} s   (n={len(values)})"
+
+
+def redone_summary(name: str, values: list[int]) -> str:
+    return f"{name:<40} median {statistics.median(values):7.1f}     worst {max(values):7d}     (n={len(values)})"
 
 
 def main() -> None:
@@ -159,18 +170,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--step-delay-s", type=float, default=0.01)
     parser.add_argument("--skip-ray-train", action="store_true")
+    parser.add_argument("--commit-every", type=int, default=0, help="ours: commit every N steps (0: at epoch ends)")
+    parser.add_argument("--skip-many-hosts", action="store_true")
     args = parser.parse_args()
     env = {"env_vars": {"PYTHONPATH": ROOT}}
     lines = []
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=env)
-    one = [measure_ours(args.step_delay_s, {}) for _ in range(args.runs)]
-    lines.append(summary("ours, one host: recovery", [r for r, _ in one]))
-    lines.append(summary("ours, one host: join pause", [j for _, j in one if j is not None]))
+    one = [measure_ours(args.step_delay_s, args.commit_every, {}) for _ in range(args.runs)]
+    lines.append(summary("ours, one host: recovery", [r for r, _, _ in one]))
+    lines.append(redone_summary("ours, one host: steps redone", [d for _, d, _ in one]))
+    lines.append(summary("ours, one host: join pause", [j for _, _, j in one if j is not None]))
     if not args.skip_ray_train:
-        lines.append(summary("Ray Train TorchTrainer: recovery", [measure_ray_train(args.step_delay_s)
-                                                                  for _ in range(args.runs)]))
+        theirs = [measure_ray_train(args.step_delay_s) for _ in range(args.runs)]
+        lines.append(summary("Ray Train TorchTrainer: recovery", [r for r, _ in theirs]))
+        lines.append(redone_summary("Ray Train TorchTrainer: steps redone", [d for _, d in theirs]))
     ray.shutdown()
+    if args.skip_many_hosts:
+        print(f"3 gloo CPU workers, one SIGKILLed at step {KILL_STEP}; {args.runs} runs each; ours commit "
+              f"{'every %d steps' % args.commit_every if args.commit_every else 'only at epoch ends'}")
+        print("\n".join(lines))
+        return
 
     from ray.cluster_utils import Cluster
 
@@ -179,12 +199,15 @@ def main() -> None:
         cluster.add_node(num_cpus=1, resources={"slot": 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, runtime_env=env)
-    many = [measure_ours(args.step_delay_s, {"resources_per_worker": {"slot": 1}}) for _ in range(args.runs)]
-    lines.append(summary("ours, many hosts: recovery", [r for r, _ in many]))
-    lines.append(summary("ours, many hosts: join pause", [j for _, j in many if j is not None]))
+    many = [measure_ours(args.step_delay_s, args.commit_every, {"resources_per_worker": {"slot": 1}})
+            for _ in range(args.runs)]
+    lines.append(summary("ours, many hosts: recovery", [r for r, _, _ in many]))
+    lines.append(redone_summary("ours, many hosts: steps redone", [d for _, d, _ in many]))
+    lines.append(summary("ours, many hosts: join pause", [j for _, _, j in many if j is not None]))
     ray.shutdown()
     cluster.shutdown()
-    print(f"3 gloo CPU workers, one SIGKILLed at step {KILL_STEP}; {args.runs} runs each")
+    print(f"3 gloo CPU workers, one SIGKILLed at step {KILL_STEP}; {args.runs} runs each; ours commit "
+          f"{'every %d steps' % args.commit_every if args.commit_every else 'only at epoch ends'}")
     print("\n".join(lines))
 
 

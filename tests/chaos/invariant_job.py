@@ -7,6 +7,16 @@ integer-valued vector ``v(i)``, so one epoch moves ``w`` by exactly
 every sample processed exactly once per epoch in committed work,
 ``w == -epochs * sum_i v(i)`` holds bit for bit, and ``seen[i] == epochs``.
 
+The per-sample hit counts ride in the same reduction as ``w``'s gradient (a
+parameter ``count`` whose gradient is the batch's hits, so ``seen = -count``):
+a step's bookkeeping is atomic with its update, and the job has no collective
+of its own inside a step. One more element of ``count`` carries "the stop file
+exists" the same way, so every rank agrees when to stop without a collective.
+Commits happen every ``commit_every`` steps (0: only at epoch ends). With
+``counting="collective"`` the hits are summed by a collective of the job's own
+after ``optimizer.step()`` instead (the fallback case). Every process appends
+``round step`` to ``steps-{pid}.log`` after each completed step.
+
 Faults are armed by the test through a file (:class:`FaultFile`): each a kind
 and a rank. Each fires once (an ``O_EXCL`` marker file), at its hook point, on the
 process that holds that rank:
@@ -146,11 +156,12 @@ def train(config: dict):
     vectors = torch.stack([sample_vector(i) for i in range(N_SAMPLES)])
     holder = torch.nn.Module()
     holder.w = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
+    holder.count = torch.nn.Parameter(torch.zeros(N_SAMPLES + 1, dtype=torch.float64))  # -hits, then -stop votes
     optimizer = er.DistributedOptimizer(torch.optim.SGD([holder.w], lr=1.0), holder.named_parameters(), op=er.Sum)
     sampler = ElasticSampler(N_SAMPLES, batch_size=config.get("batch", 2), seed=11)
     extra = {"flaky": Flaky(config["flaky_flag"])} if config.get("flaky_flag") else {}
     state = TorchState(model=holder, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
-                       seen=torch.zeros(N_SAMPLES, dtype=torch.float64), probe=FaultPoint(), **extra)
+                       seen=torch.zeros(N_SAMPLES, dtype=torch.float64), probe=FaultPoint(), **extra)  # seen: collective
 
     def on_reset() -> None:
         global _ARMED
@@ -168,6 +179,18 @@ def train(config: dict):
             _die()
 
     state.register_reset_callbacks([on_reset])
+    counting = config.get("counting", "reduced")
+    commit_every = config.get("commit_every", 0)
+    step_log = os.path.join(config["chaos_dir"], f"steps-{os.getpid()}.log")
+
+    def commit() -> None:
+        global _ARMED
+        fault = faults.pending(("kill_in_commit",), er.rank())
+        _ARMED = "commit" if fault and faults.claim(fault) else None
+        try:
+            state.commit()
+        finally:
+            _ARMED = None
 
     @er.elastic.run
     def loop(state):
@@ -180,41 +203,42 @@ def train(config: dict):
                 if fault and faults.claim(fault):
                     _die(signal.SIGKILL if fault["kind"] == "sigkill" else signal.SIGSTOP)
                 idx = torch.tensor(batch, dtype=torch.long)
-                optimizer.zero_grad()
-                (holder.w * vectors[idx].sum(0)).sum().backward()
-                optimizer.step()
-                hits = torch.zeros(N_SAMPLES, dtype=torch.float64)
+                hits = torch.zeros(N_SAMPLES + 1, dtype=torch.float64)
                 hits[idx] += 1
-                state.seen = state.seen + er.allreduce(hits, op=er.Sum)
+                hits[N_SAMPLES] = float(faults.stop_requested())
+                optimizer.zero_grad()
+                marks = hits if counting == "reduced" else torch.cat([torch.zeros(N_SAMPLES, dtype=torch.float64),
+                                                                      hits[N_SAMPLES:]])
+                ((holder.w * vectors[idx].sum(0)).sum() + (holder.count * marks).sum()).backward()
+                optimizer.step()
+                if counting == "collective":
+                    state.seen = state.seen + er.allreduce(hits[:N_SAMPLES], op=er.Sum)
                 state.sampler.record_batch()
                 state.step += 1
                 er.report(step=state.step, epoch=state.epoch)
+                with open(step_log, "a") as f:
+                    f.write(f"{er.round_id()} {state.step}\n")
                 if er.rank() == 0:
                     tmp = os.path.join(config["chaos_dir"], f"progress.tmp{os.getpid()}")
                     with open(tmp, "w") as f:
                         f.write(f"{state.step} {er.size()} {er.round_id()} {state.epoch}")
                     os.replace(tmp, os.path.join(config["chaos_dir"], "progress"))
-                if state.step % config.get("commit_every", 3) == 0:
-                    fault = faults.pending(("kill_in_commit",), er.rank())
-                    _ARMED = "commit" if fault and faults.claim(fault) else None
-                    try:
-                        state.commit()
-                    finally:
-                        _ARMED = None
+                if commit_every and state.step % commit_every == 0:
+                    commit()
                 time.sleep(config.get("step_delay_s", 0.03))
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
-            stop = er.allreduce(torch.tensor([float(faults.stop_requested())]), op=er.Max).item() > 0
-            state.commit()
-            if stop and state.epoch >= config.get("min_epochs", 1):
-                break
+            commit()
+            if holder.count[N_SAMPLES].item() < 0 and state.epoch >= config.get("min_epochs", 1):
+                break  # a rank saw the stop file during this epoch (every rank has the same count)
         every = er.allgather_object(holder.w.detach().clone())
         fault = faults.pending(("kill_at_end",), er.rank())
         if fault and faults.claim(fault):
             _die()
+        seen = state.seen if counting == "collective" else -holder.count.detach()[:N_SAMPLES]
         return {"epochs": state.epoch, "step": state.step, "w": holder.w.detach().tolist(),
                 "exact": torch.equal(holder.w.detach(), expected_w(state.epoch)),
                 "identical": all(torch.equal(every[0], other) for other in every),
-                "seen": state.seen.tolist(), "world": er.size()}
+                "seen": seen.tolist(), "world": er.size()}
 
     return loop(state)

@@ -56,6 +56,29 @@ def schedule(seed: int, n: int, capacity: int = MAX_WORKERS) -> list[StormEvent]
     return events
 
 
+def steps_redone(lines: list[tuple[int, int]]) -> dict[int, int]:
+    """For each round after the first: how many steps completed in earlier rounds (by any rank) it trained
+    again. ``lines`` are ``(round, step)`` after each completed step, from every process."""
+    by_round: dict[int, list[int]] = {}
+    for round_id, step in lines:
+        by_round.setdefault(round_id, []).append(step)
+    redone, done = {}, None
+    for round_id in sorted(by_round):
+        if done is not None:
+            redone[round_id] = done - (min(by_round[round_id]) - 1)
+        done = max(by_round[round_id]) if done is None else max(done, max(by_round[round_id]))
+    return redone
+
+
+def read_step_logs(directory: str) -> list[tuple[int, int]]:
+    lines = []
+    for name in os.listdir(directory):
+        if name.startswith("steps-") and name.endswith(".log"):
+            with open(os.path.join(directory, name)) as f:
+                lines += [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+    return lines
+
+
 def expected_losses(events: list[StormEvent]) -> int:
     """Members lost: one per worker fault (two for the compound ones) and per removed node."""
     return sum({"kill_in_sync": 2, "kill_in_reform": 2, "node_removed": 1}.get(e.kind, 1 if e.kind in WORKER_FAULTS else 0)
