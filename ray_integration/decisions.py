@@ -156,12 +156,12 @@ def workers_to_request(live: int, max_workers: int) -> int:
     return max(0, max_workers - live)
 
 
-def ready_to_start(ready: int, started: int, min_workers: int, max_workers: int, quiet_s: float, grace_s: float) -> bool:
-    """Form the first ring once ``min_workers`` are ready and either every started actor is
-    ready, ``max_workers`` are, or no new one became ready for ``grace_s``."""
+def ready_to_start(ready: int, min_workers: int, max_workers: int, quiet_s: float, grace_s: float) -> bool:
+    """Form the first ring once ``min_workers`` are ready and either ``max_workers`` are, or no new
+    one became ready for ``grace_s`` (the others may be still starting, or waiting for capacity)."""
     if ready < min_workers:
         return False
-    return ready >= max_workers or ready >= started or quiet_s >= grace_s
+    return ready >= max_workers or quiet_s >= grace_s
 
 
 def give_up_after_failure(failures: int, max_failures: int) -> str | None:

@@ -106,8 +106,7 @@ class Starting(DriverState):
         ready = d.joiners()
         if len(ready) != self.ready_seen:
             self.ready_seen, self.last_ready_change = len(ready), time.monotonic()
-        started = [r for r in d.pool.live() if r.info is not None]
-        if decisions.ready_to_start(len(ready), len(started), d.config.min_workers, d.config.max_workers,
+        if decisions.ready_to_start(len(ready), d.config.min_workers, d.config.max_workers,
                                     time.monotonic() - self.last_ready_change, START_GRACE_S):
             d.form([], ready, reason="start")
             return Running()
