@@ -55,3 +55,21 @@ def commits_on_rank0_only(config: dict):
         return state.step
 
     return loop(state)
+
+
+def uses_the_ring_before_the_loop(config: dict):
+    """er.rank()/er.size() and a collective before @er.elastic.run: the ring forms on first use; with
+    ``kill_rank`` set, that rank dies before the loop, so the collective fails outside the loop."""
+    rank, size = er.rank(), er.size()
+    if config.get("kill_rank") == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    total = er.allreduce(torch.tensor([1.0]), op=er.Sum).item()
+    state = ObjectState(step=0)
+
+    @er.elastic.run
+    def loop(state):
+        state.step += 1
+        state.commit()
+        return {"rank_before": rank, "size_before": size, "total": total, "world": er.size()}
+
+    return loop(state)

@@ -27,6 +27,8 @@ process that holds that rank:
   before the state is synced (peers are re-forming);
 * ``kill_in_sync``: on the root, while it serializes the state for a joiner
   (armed at a re-form that brought a joiner, if two ranks hold the state);
+* ``kill_in_first_sync``: on the root of the job's first sync, while it sends the
+  state (resumed from a checkpoint, if there is one) to the others;
 * ``kill_in_join``: in the reset callback of a re-form that brought a joiner
   (a death during a membership re-form, before the sync);
 * ``kill_at_end``: after the last collective, just before ``fn`` returns (the
@@ -157,7 +159,8 @@ def train(config: dict):
     holder = torch.nn.Module()
     holder.w = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
     holder.count = torch.nn.Parameter(torch.zeros(N_SAMPLES + 1, dtype=torch.float64))  # -hits, then -stop votes
-    optimizer = er.DistributedOptimizer(torch.optim.SGD([holder.w], lr=1.0), holder.named_parameters(), op=er.Sum)
+    optimizer = er.DistributedOptimizer(torch.optim.SGD(holder.parameters(), lr=1.0), holder.named_parameters(),
+                                        op=er.Sum)
     sampler = ElasticSampler(N_SAMPLES, batch_size=config.get("batch", 2), seed=11)
     extra = {"flaky": Flaky(config["flaky_flag"])} if config.get("flaky_flag") else {}
     state = TorchState(model=holder, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
@@ -174,6 +177,9 @@ def train(config: dict):
             _ARMED = "sync"
             if not faults.claim(fault):
                 _ARMED = None
+        fault = faults.pending(("kill_in_first_sync",), er.rank())
+        if fault and holding == 0 and faults.claim(fault):  # the job's first sync: the root sends what it resumed
+            _ARMED = "sync"
         fault = faults.pending(("kill_in_join",), er.rank())
         if fault and 2 <= holding < er.size() and faults.claim(fault):  # a membership re-form with a joiner
             _die()

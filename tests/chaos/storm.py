@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tests.chaos.invariant_job import FaultFile
 
-WORKER_FAULTS = ("sigkill", "sigstop", "kill_in_commit", "kill_in_sync", "kill_in_reform")
+WORKER_FAULTS = ("sigkill", "sigstop", "kill_in_commit", "kill_in_sync", "kill_in_reform", "kill_in_join")
 NODE_EVENTS = ("node_removed", "node_drained", "node_added")
 ALL_KINDS = WORKER_FAULTS + NODE_EVENTS
 MAX_WORKERS = 4
@@ -36,7 +36,7 @@ class StormEvent:
 
 
 def schedule(seed: int, n: int, capacity: int = MAX_WORKERS) -> list[StormEvent]:
-    """``n`` events in a seeded order; every kind appears once before any repeats (n >= 8 has all);
+    """``n`` events in a seeded order; every kind appears once before any repeats (n >= 9 has all);
     removals and drains only at full capacity, additions only below it."""
     rng = random.Random(seed)
     bag: list[str] = []
@@ -81,8 +81,8 @@ def read_step_logs(directory: str) -> list[tuple[int, int]]:
 
 def expected_losses(events: list[StormEvent]) -> int:
     """Members lost: one per worker fault (two for the compound ones) and per removed node."""
-    return sum({"kill_in_sync": 2, "kill_in_reform": 2, "node_removed": 1}.get(e.kind, 1 if e.kind in WORKER_FAULTS else 0)
-               for e in events)
+    return sum({"kill_in_sync": 2, "kill_in_reform": 2, "kill_in_join": 2, "node_removed": 1}.get(
+        e.kind, 1 if e.kind in WORKER_FAULTS else 0) for e in events)
 
 
 class StormController:
@@ -145,7 +145,7 @@ class StormController:
         for event in events:
             step, rnd = self.wait_steady(event.gap_steps, is_alive)
             self.log.append(f"{event.kind} at step {step} round {rnd} (rank {event.rank})")
-            if event.kind in ("kill_in_sync", "kill_in_reform"):
+            if event.kind in ("kill_in_sync", "kill_in_reform", "kill_in_join"):
                 # the victim's fault first, then the SIGKILL of a helper rank that causes the re-form
                 victim, = self._arm((event.kind, event.rank))
                 helper, = self._arm(("sigkill", event.helper_rank))

@@ -66,3 +66,14 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypat
     monkeypatch.undo()
     tree, _ = CheckpointStore(str(tmp_path / "ckpt")).load_latest()
     assert tree == {"step": 1}
+
+
+def test_the_ring_forms_on_first_use_before_the_elastic_loop(ray_session):
+    result = ElasticTrainer(min_workers=2, max_workers=2, progress=False).run(bad_jobs.uses_the_ring_before_the_loop)
+    assert result.value == {"rank_before": 0, "size_before": 2, "total": 2.0, "world": 2}
+
+
+def test_a_failure_before_the_elastic_loop_says_only_the_loop_recovers(ray_session):
+    with pytest.raises(WorkerError, match=r"a collective failed outside @er.elastic.run .*move the training loop"):
+        ElasticTrainer(min_workers=2, max_workers=2, collective_timeout_s=5, progress=False).run(
+            bad_jobs.uses_the_ring_before_the_loop, config={"kill_rank": 1})

@@ -138,3 +138,21 @@ def test_a_writer_error_then_sigterm_exits_within_seconds_saying_so(scenario):
 
     saved, info = CheckpointStore(scenario["ckpt"], trusted=True).load_latest()  # the previous one, intact
     assert 0 < saved["step"] <= 18, saved["step"]
+
+
+def test_the_root_dying_while_it_sends_a_resumed_checkpoint_does_not_restart_from_scratch(ray_session, tmp_path):
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    options = dict(min_workers=2, max_workers=3, checkpoint_uri=str(tmp_path / "ckpt"), checkpoint_every_n_commits=1,
+                   heartbeat_timeout_s=3, progress=False)
+    first = ElasticTrainer(**options).run(invariant_job.train, config=arm(first_dir, min_epochs=3))
+    check_exact(first.value)
+    assert first.value["epochs"] == 3
+    # the next run's root dies while it sends the checkpoint it resumed: the next root resumes it again
+    second = ElasticTrainer(**options).run(invariant_job.train,
+                                           config=arm(second_dir, ("kill_in_first_sync", 0), min_epochs=1))
+    assert (second_dir / "fired-1").exists()
+    check_exact(second.value)
+    assert second.value["epochs"] == 4, second.value["epochs"]  # epoch 3 on top of the resumed three
+    k = kinds(second)
+    assert k.count("worker_lost") == 1 and "resumed_from_checkpoint" in k, k
