@@ -81,12 +81,12 @@ DRIVER_MISSES = ("the driver waits out start_timeout_s: WorkerPool._started does
 @pytest.mark.xfail(strict=True, reason=DRIVER_MISSES)
 def test_worker_actor_whose_imports_fail_on_the_worker(ray_session):
     # the actor's class cannot be loaded there: importing elastic_ring raises on this variable
-    trainer = ElasticTrainer(min_workers=1, max_workers=2, progress=False, start_timeout_s=30,
+    trainer = ElasticTrainer(min_workers=1, max_workers=2, progress=False, start_timeout_s=20,
                              runtime_env={"env_vars": {"ELASTIC_RING_FUSION_THRESHOLD_BYTES": "lots"}})
     error, elapsed = run_and_time(trainer, never_runs)
     text = str(error)
     assert RESOURCES_MESSAGE not in text, text
-    assert elapsed < SURFACES_WITHIN_S, f"took {elapsed:.1f} s (start_timeout_s=30): {text}"
+    assert elapsed < SURFACES_WITHIN_S, f"took {elapsed:.1f} s (start_timeout_s=20): {text}"
     assert isinstance(error, RunFailed) and "could not start" in text, text
     assert "ELASTIC_RING_FUSION_THRESHOLD_BYTES='lots' is not a number" in text, text
 
@@ -94,11 +94,11 @@ def test_worker_actor_whose_imports_fail_on_the_worker(ray_session):
 @pytest.mark.xfail(strict=True, reason=DRIVER_MISSES)
 def test_worker_runtime_env_that_cannot_be_set_up(ray_session):
     # Ray's runtime-env agent fails at once: there is no conda (or no such conda environment)
-    trainer = ElasticTrainer(min_workers=1, max_workers=2, progress=False, start_timeout_s=30,
+    trainer = ElasticTrainer(min_workers=1, max_workers=2, progress=False, start_timeout_s=20,
                              runtime_env={"conda": "er-no-such-conda-env"})
     error, elapsed = run_and_time(trainer, never_runs)
     text = str(error)
     assert RESOURCES_MESSAGE not in text, text
-    assert elapsed < SURFACES_WITHIN_S, f"took {elapsed:.1f} s (start_timeout_s=30): {text}"
+    assert elapsed < SURFACES_WITHIN_S, f"took {elapsed:.1f} s (start_timeout_s=20): {text}"
     assert isinstance(error, RunFailed) and "Ray could not set up its runtime_env" in text, text
     assert "conda" in text.lower().split("could not set up its runtime_env", 1)[1], text
