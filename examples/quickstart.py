@@ -64,7 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     # a new local Ray instance, even if a cluster runs on this machine (on a cluster: ray.init(address="auto"))
     ray.init(address="local", num_cpus=max(4, args.workers), include_dashboard=False)
-    result = ElasticTrainer(min_workers=1, max_workers=args.workers).run(train, config={"lr": 0.05, "epochs": args.epochs})
+    trainer = ElasticTrainer(min_workers=1, max_workers=args.workers)
+    result = trainer.run(train, config={"lr": 0.05, "epochs": args.epochs})
     print(f"result: {result.value}")
     print(f"first reported loss {result.metrics[0]['loss']:.4f}, last {result.metrics[-1]['loss']:.4f}")
     for event in result.events:

@@ -188,9 +188,8 @@ def run_train_script(checkpoint_dir: pathlib.Path, epochs: int) -> tuple[dict, s
          "--lr", "0.01", "--commit-every", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = ast.literal_eval(next(l for l in out.stdout.splitlines() if l.startswith("result: "))[len("result: "):])
-    newest = next(l for l in out.stdout.splitlines() if l.startswith("newest checkpoint: "))[len("newest checkpoint: "):]
-    return result, newest
+    lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in out.stdout.splitlines() if ": " in line}
+    return ast.literal_eval(lines["result"]), lines["newest checkpoint"]
 
 
 def test_train_script_trains_on_cpu_and_writes_checkpoints(tmp_path):

@@ -215,7 +215,7 @@ def test_parser_finds_links_outside_code_only(tmp_path):
 @pytest.mark.parametrize("heading, expected", [
     ("API (`import elastic_ring as er`)", "api-import-elastic_ring-as-er"),
     ("Set-up and first run (CPU machine, about five minutes)", "set-up-and-first-run-cpu-machine-about-five-minutes"),
-    ("Training state (`state`): commit, restore, sync, checkpoints", "training-state-state-commit-restore-sync-checkpoints"),
+    ("Training state (`state`): commit, restore, sync", "training-state-state-commit-restore-sync"),
     ("Before the first `ray up`", "before-the-first-ray-up"),
     ("**Bold** and [a link](x.md)", "bold-and-a-link"),
 ])

@@ -89,7 +89,8 @@ def aws_poller(base_url: str) -> Callable[[], float | None]:
 
     def poll() -> float | None:
         if not token:  # IMDSv2: a session token first (it lasts 6 hours; fetched again when refused)
-            status, body = http("PUT", f"{base_url}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+            status, body = http("PUT", f"{base_url}/latest/api/token",
+                                {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
             if status != 200:
                 raise MetadataError(f"IMDSv2 token request answered HTTP {status}: {body[:200]!r}")
             token.append(body.strip())
