@@ -1,7 +1,7 @@
 """Stream a job's metrics and membership events to TensorBoard while it trains.
 
     pip install tensorboard          # in the examples and test extras already
-    python examples/tensorboard_metrics.py [--logdir runs] [--workers 2] [--epochs 3]
+    python examples/tensorboard_metrics.py [--logdir runs] [--workers 2] [--min-workers 1] [--epochs 3]
     tensorboard --logdir runs        # then open http://localhost:6006
 
 ``ElasticTrainer.run(fn, config, on_report=..., on_event=...)`` calls
@@ -82,7 +82,8 @@ class TensorBoardSink:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--logdir", default=None, help="TensorBoard run directory (default: runs/<date-time>)")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="max_workers")
+    parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     logdir = args.logdir or time.strftime("runs/elastic_ring-%Y%m%d-%H%M%S")
@@ -91,7 +92,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=max(4, args.workers), include_dashboard=False)
     sink = TensorBoardSink(logdir)
     try:
-        result = ElasticTrainer(min_workers=1, max_workers=args.workers, progress=False).run(
+        result = ElasticTrainer(min_workers=args.min_workers, max_workers=args.workers, progress=False).run(
             train, config={"lr": 0.05, "epochs": args.epochs}, on_report=sink.on_report, on_event=sink.on_event)
     finally:
         sink.close()

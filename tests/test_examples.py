@@ -83,8 +83,10 @@ def test_tensorboard_example_streams_metrics_and_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir = tmp_path / "runs"
-    out = subprocess.run([sys.executable, "examples/tensorboard_metrics.py", "--workers", "2", "--epochs", "1",
-                          "--logdir", str(logdir)], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    # two workers from the start (with min_workers=1 a slow second worker would join later)
+    out = subprocess.run([sys.executable, "examples/tensorboard_metrics.py", "--workers", "2", "--min-workers", "2",
+                          "--epochs", "1", "--logdir", str(logdir)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert own_warnings(out.stderr) == [], out.stderr[-3000:]
     assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
