@@ -52,7 +52,7 @@ def train(config: dict):
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             state.commit()
-        return {"final_loss": float(loss), "steps": state.step}
+        return {"final_loss": loss.item(), "steps": state.step}
 
     return loop(state)
 
@@ -62,8 +62,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    ray.init(num_cpus=max(4, args.workers), include_dashboard=False)  # or ray.init(address="auto") on a cluster
-    result = ElasticTrainer(min_workers=1, max_workers=args.workers).run(train, config={"lr": 0.05, "epochs": args.epochs})
+    # a new local Ray instance, even if a cluster runs on this machine (on a cluster: ray.init(address="auto"))
+    ray.init(address="local", num_cpus=max(4, args.workers), include_dashboard=False)
+    trainer = ElasticTrainer(min_workers=1, max_workers=args.workers)
+    result = trainer.run(train, config={"lr": 0.05, "epochs": args.epochs})
     print(f"result: {result.value}")
     print(f"first reported loss {result.metrics[0]['loss']:.4f}, last {result.metrics[-1]['loss']:.4f}")
     for event in result.events:

@@ -2,10 +2,39 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: A Python warning printed by the warnings module ("path.py:12: UserWarning: ..."), wherever it
+#: came from (a worker's lines arrive prefixed with "(RingWorker pid=...)").
+PYTHON_WARNING = re.compile(r"\b[A-Z]\w*Warning\b")
+#: A line that elastic_ring's loggers printed at WARNING or above (no handler configured: Python's
+#: last-resort handler prints the bare message, which starts with the process's identity).
+OUR_LOG_LINE = re.compile(r"(^|\)(\x1b\[0m)? )\[(rank \d+/\d+ round \d+|no ring)")
+
+
+def own_warnings(stderr: str) -> list[str]:
+    """The stderr lines that are Python warnings (an example must run without any) or warnings of
+    elastic_ring's loggers. Ray's own log lines ("2026-01-01 12:00:00,000 WARNING worker.py:123 --
+    ...") are allowed: they are Ray's to fix, and say nothing about our code."""
+    return [line for line in stderr.splitlines() if PYTHON_WARNING.search(line) or OUR_LOG_LINE.search(line)]
+
+
+def test_own_warnings_finds_worker_and_driver_warnings_only():
+    stderr = "\n".join([
+        "2026-11-22 12:27:44,486\tWARNING authentication_token_setup.py:85 -- Token authentication is enabled",
+        "2026-11-22 12:27:51,504\tINFO worker.py:2038 -- Started a local Ray instance.",
+        "[elastic_ring round 1] step 5 epoch 0 loss 4.812 world 2",
+        "\x1b[36m(RingWorker pid=29678)\x1b[0m /x/examples/quickstart.py:55: UserWarning: Converting a tensor",
+        "/x/examples/digits.py:3: DeprecationWarning: old",
+        "\x1b[36m(RingWorker pid=1)\x1b[0m [rank 0/2 round 1 step 5] commit_overdue: call state.commit()",
+    ])
+    assert [line.split("/x/examples/")[-1].split("] ")[-1] for line in own_warnings(stderr)] == [
+        "quickstart.py:55: UserWarning: Converting a tensor", "digits.py:3: DeprecationWarning: old",
+        "commit_overdue: call state.commit()"]
 
 
 def test_ring_quickstart_runs_and_learns():
@@ -25,6 +54,7 @@ def test_ray_quickstart_runs_and_learns():
     first, last = float(line.split()[3].rstrip(",")), float(line.split()[5])
     assert last < first / 2, line
     assert "event: ring_formed round=1 world=2" in out.stdout
+    assert own_warnings(out.stderr) == [], out.stderr[-3000:]
 
 
 def test_digits_reaches_the_stated_accuracy():
@@ -47,3 +77,28 @@ def test_elastic_demo_loses_a_worker_gains_a_node_and_draws_it(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"allreduce", "pack", "commit", "sync", "reform", "worker_lost", "worker_joined"} <= names
+
+
+def test_tensorboard_example_streams_metrics_and_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "runs"
+    # two workers from the start (with min_workers=1 a slow second worker would join later)
+    out = subprocess.run([sys.executable, "examples/tensorboard_metrics.py", "--workers", "2", "--min-workers", "2",
+                          "--epochs", "1", "--logdir", str(logdir)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert own_warnings(out.stderr) == [], out.stderr[-3000:]
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    loss = events.Scalars("metrics/loss")
+    # 2048 samples, batch 32 per rank, 2 ranks: 32 steps; the quickstart reports every 5th
+    assert [s.step for s in loss] == [5, 10, 15, 20, 25, 30], loss
+    assert loss[-1].value < loss[0].value / 2, [s.value for s in loss]
+    assert {s.value for s in events.Scalars("membership/world_size")} == {2.0}
+    assert [s.value for s in events.Scalars("membership/ring_formed")] == [1.0]
+    assert [s.value for s in events.Scalars("membership/finished")] == [1.0]
+    texts = [t.tensor_proto.string_val[0].decode() for t in events.Tensors("events/text_summary")]
+    assert texts[0].startswith("`ring_formed` round 1, world 2: reason=start") and "`finished`" in texts[-1], texts
+    assert f"wrote 6 metric values and 2 events to {logdir}" in out.stdout
