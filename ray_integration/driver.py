@@ -85,8 +85,9 @@ def _fatal(d: "Driver") -> DriverState | None:
             return Failed(record.user_error)
         if record.start_error is not None:
             d.events.add("failed", d.round_id, d.world_size, reason="worker could not start", worker=record.worker_id)
-            return Failed(RunFailed(f"worker {record.worker_id} could not start or load fn:\n{record.start_error}\n"
-                                    f"Hint: {START_HINT}"))
+            hint = f"\nHint: {START_HINT}" if "ModuleNotFoundError" in record.start_error or \
+                "ImportError" in record.start_error else ""
+            return Failed(RunFailed(f"worker {record.worker_id} could not start or load fn:\n{record.start_error}{hint}"))
     return None
 
 

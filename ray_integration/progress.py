@@ -25,7 +25,7 @@ BAR_REFRESH_S = 0.25
 #: Seconds of records that samples/s is averaged over.
 RATE_WINDOW_S = 10.0
 
-_NOT_SHOWN = {"time", "rank", "round", "world_size", "step", "epoch", "samples", "loss"}
+_NOT_SHOWN = {"time", "driver_time", "rank", "round", "world_size", "step", "epoch", "samples", "loss"}
 
 
 def _format(value: Any) -> str:

@@ -48,6 +48,9 @@ def _describe_failure(exc: BaseException) -> str:
                 "part of the job writes to its store or sockets; see the README's Security section)")
     if isinstance(exc, er.RendezvousError):
         return "the rendezvous with the driver failed"
+    if isinstance(exc, ImportError):
+        return ("fn raised an import error (if the module is missing on the workers, ship it with "
+                "ElasticTrainer(runtime_env={'working_dir': '.'}) or runtime_env={'py_modules': [...]})")
     if isinstance(exc, er.CommError):
         return ("a collective failed outside @er.elastic.run (only code inside the elastic loop survives failures: "
                 "move the training loop into a function decorated with @er.elastic.run)")

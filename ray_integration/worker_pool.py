@@ -9,6 +9,7 @@ the driver's own monotonic clock.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -237,8 +238,10 @@ class WorkerPool:
             record.dead, record.cause = True, f"did not start: {_first_lines(text)}"
             if "Traceback" in text or "Error" in text.split("\n", 1)[0]:
                 record.start_error = _first_lines(text, 12)
+            record.start_error = _start_failure(exc) or record.start_error
         except ray.exceptions.RayError as exc:
             record.dead, record.cause = True, f"did not start: {type(exc).__name__}: {_first_lines(str(exc))}"
+            record.start_error = _start_failure(exc)
 
     def _ended(self, record: WorkerRecord, ref: Any) -> None:
         try:
@@ -259,8 +262,28 @@ class WorkerPool:
         except ray.exceptions.RayError as exc:  # the actor or its node died
             if not record.dead:
                 record.dead, record.cause = True, f"process lost: {type(exc).__name__}"
+                record.start_error = _start_failure(exc)  # it died starting (whichever of its refs came first)
+
+
+def _start_failure(exc: BaseException) -> str | None:
+    """What to tell the user if ``exc`` says the worker actor cannot start anywhere: its constructor
+    raised or its class could not be imported there (``actor_init_failed``), or Ray could not set up
+    its runtime_env. Every other worker would fail alike, so the run ends with it. None otherwise."""
+    if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False):
+        return _first_lines(str(exc), 12)
+    if isinstance(exc, ray.exceptions.RuntimeEnvSetupError):
+        return ("Ray could not set up its runtime_env (ElasticTrainer(runtime_env=...) merged with the job's):\n"
+                + _first_lines(str(exc), 8))
+    return None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _first_lines(text: str, n: int = 3) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return "\n".join(lines[-n:]) if "Traceback" in text else "\n".join(lines[:n])
+    """The first ``n`` lines of a message, or the last ``n`` of a traceback (where the exception is),
+    without colour codes and without the ``^^^^`` lines that point at columns."""
+    text = _ANSI.sub("", text)
+    lines = [line for line in text.strip().splitlines() if line.strip() and line.strip(" ^~")]
+    traceback = "Traceback" in text or any(line.startswith("  File ") for line in lines)
+    return "\n".join(lines[-n:]) if traceback else "\n".join(lines[:n])

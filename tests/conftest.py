@@ -29,5 +29,6 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 runtime_env=ray_runtime_env())
     yield ray

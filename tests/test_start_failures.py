@@ -74,11 +74,8 @@ def never_runs(config: dict):
     raise AssertionError("the worker actors cannot start, so fn never runs")
 
 
-DRIVER_MISSES = ("the driver waits out start_timeout_s: WorkerPool._started does not take this failure for a start "
-                 "error (the fix is in the issue-15 report); remove this mark once it does")
 
 
-@pytest.mark.xfail(strict=True, reason=DRIVER_MISSES)
 def test_worker_actor_whose_imports_fail_on_the_worker(ray_session):
     # the actor's class cannot be loaded there: importing elastic_ring raises on this variable
     trainer = ElasticTrainer(min_workers=1, max_workers=2, progress=False, start_timeout_s=20,
@@ -91,7 +88,6 @@ def test_worker_actor_whose_imports_fail_on_the_worker(ray_session):
     assert "ELASTIC_RING_FUSION_THRESHOLD_BYTES='lots' is not a number" in text, text
 
 
-@pytest.mark.xfail(strict=True, reason=DRIVER_MISSES)
 def test_worker_runtime_env_that_cannot_be_set_up(ray_session):
     # Ray's runtime-env agent fails at once: there is no conda (or no such conda environment)
     trainer = ElasticTrainer(min_workers=1, max_workers=2, progress=False, start_timeout_s=20,
