@@ -1,47 +1,68 @@
-"""Overlapped, fused allreduce of gradients during the backward pass.
+"""Overlapped allreduce of gradients that live in their fusion buckets.
 
 The reducer owns the hooks that :class:`DistributedOptimizer` registers. Its
 contract:
 
-* Parameters are bucketed once, in reverse registration order (the order in
-  which backward usually produces their gradients), by
-  :func:`elastic_ring.fusion.plan_buckets`.
+* Parameters are bucketed in reverse registration order (the order in which
+  backward usually produces their gradients) by
+  :func:`elastic_ring.fusion.plan_buckets`, with an early first bucket
+  (``first_bucket_bytes``) so the first allreduce starts early in backward.
+  Each parameter's ``.grad`` becomes a view of its bucket
+  (:mod:`elastic_ring.grad_buckets`): no pack or unpack copy.
 * When a parameter's gradient has been accumulated ``backward_passes_per_step``
-  times, it is ready. Bucket *k* is launched (packed, prescaled if needed, and
-  handed to the communicator asynchronously) as soon as it and every bucket
-  before it are ready, so all ranks launch buckets in the same order while
-  communication overlaps the rest of the backward pass.
+  times it is ready: it is moved into its view if autograd put it elsewhere
+  (``zero_grad(set_to_none=True)``), divided by the world size for an average
+  (in the same pass), and bucket *k* is launched as soon as it and every
+  bucket before it are ready, so all ranks launch buckets in the same order
+  while communication overlaps the rest of the backward pass.
 * :meth:`synchronize` launches what is left (a parameter without a gradient
-  contributes zeros), waits for every bucket, unpacks the averaged gradients
-  into ``.grad`` and resets for the next step.
-* At the first gradient of every step, one 48-byte allreduce is started that
-  checks that all ranks are at the same point and hold the same parameters
-  (names, dtypes, shapes); it is waited for just before the first bucket is
-  launched, so backward keeps running meanwhile. Different models, or a collective that only some ranks call between
-  steps, then fail on every rank with :class:`TensorMismatchError` instead of
-  pairing a 48-byte message with a gradient bucket, which makes gloo abort the
-  process ("Received data size doesn't match expected size").
-* A :class:`CommError` anywhere drops everything in flight, so the step can be
-  retried on the next round after a rollback. At world size 1 the hooks return
-  at once and nothing is copied.
+  contributes zeros), waits for every bucket, and resets for the next step.
+* At the first gradient of every step, one 48-byte allreduce starts that
+  checks that all ranks are at the same point with the same parameters and
+  bucket plan, and at the same optimizer step (``applied_steps`` rides in it
+  as a transaction id); it also carries the autotuner's agreed numbers. It is
+  waited for just before the first bucket is launched (by then it has long
+  finished: the first bucket holds at least ``first_bucket_bytes`` of
+  gradients), so a mismatch raises :class:`TensorMismatchError` on every rank
+  before any bucket of a mismatched size is sent (gloo would abort the
+  process). On CUDA, after the first step of a ring, the verdict is read in
+  :meth:`synchronize` instead, where the step waits anyway, so the hooks never
+  block the host.
+* A :class:`CommError` anywhere drops everything in flight and the buckets,
+  sets every parameter's ``.grad`` to None (a retried step starts from clean
+  gradients) and is tagged ``live_state_consistent = True``: it was raised
+  before the wrapped optimizer applied anything. At world size 1 the hooks
+  return at once and nothing is copied.
+* A new ring gets new buckets (and, with autotuning, a new tuning run).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from typing import Sequence
 
 import torch
 
-from . import fusion, runtime
+from . import constants, fusion, runtime, timeline
+from .autotune import AutotuneResult, Autotuner, distinct_candidates
 from .communicator import Communicator, Work
 from .compression import Compressor
-from .errors import CommError
+from .errors import CommError, TensorMismatchError
+from .grad_buckets import GradLayout
+from .log import get_logger
 from .ops import ReduceOp
-from .signature import PendingCheck, describe, start_check
+from .signature import PendingCheck, describe, signature_hash, start_check
+
+_log = get_logger(__name__)
 
 
 class GradReducer:
+    #: Read the check's verdict in synchronize() instead of before the first bucket. On by itself
+    #: on CUDA after a ring's first step; tests set it to exercise that path over gloo.
+    defer_check_on_cpu = False
+
     def __init__(
         self,
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
@@ -49,38 +70,59 @@ class GradReducer:
         compressor: Compressor,
         bucket_bytes: int,
         backward_passes_per_step: int,
+        first_bucket_bytes: int = 0,
+        autotune: bool = False,
     ) -> None:
         ordered = list(reversed(named_params))
         self._names = [n for n, _ in ordered]
         self._params = [p for _, p in ordered]
         self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._metas = [(p.numel(), p.dtype, p.device) for p in self._params]
         self._op = op
         self._compressor = compressor
         self._passes = backward_passes_per_step
-        self.buckets = fusion.plan_buckets(
-            [(p.numel(), p.dtype, p.device) for p in self._params], bucket_bytes, compressor
-        )
+        self._first_bytes = first_bucket_bytes
+        self._default_bytes = bucket_bytes
+        self._autotune = autotune
+        self._tuner: Autotuner | None = None
+        self.autotune_result: AutotuneResult | None = None
+        self.applied_steps = 0
+        self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
+        self._lock = threading.RLock()
+        self._comm_ref: weakref.ref | None = None
+        self._layout: GradLayout | None = None
+        self._ring_steps = 0
+        self._last_step_end: float | None = None
+        self.check_wait_s = 0.0  # total time the hooks waited for checks (the check must not delay the first bucket)
+        self._use_plan(bucket_bytes)
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    # ------------------------------------------------------------ plan and state
+    def _plan(self, bucket_bytes: int) -> list[fusion.Bucket]:
+        return fusion.plan_buckets(self._metas, bucket_bytes, self._compressor, self._first_bytes, split_source_dtypes=True)
+
+    def _use_plan(self, bucket_bytes: int) -> None:
+        """Switch to the buckets of ``bucket_bytes``; their buffers are made at the next gradient."""
+        self.bucket_bytes = bucket_bytes
+        self.buckets = self._plan(bucket_bytes)
         self._bucket_of = [0] * len(self._params)
         for b, bucket in enumerate(self.buckets):
             for i in bucket.indices:
                 self._bucket_of[i] = b
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._lock = threading.RLock()
-        self._comm: Communicator | None = None
-        self._kind = (f"DistributedOptimizer step (op={op.value}, compression={compressor.name}, "
-                      f"backward_passes_per_step={backward_passes_per_step})")
-        self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
-        self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._layout = None
+        self._kind = (f"DistributedOptimizer step (op={self._op.value}, compression={self._compressor.name}, "
+                      f"backward_passes_per_step={self._passes}, fusion_threshold_bytes={bucket_bytes}, "
+                      f"first_bucket_bytes={self._first_bytes}, {len(self.buckets)} buckets)")
+        self._digest = signature_hash(self._kind, self._entries)
 
-    # ------------------------------------------------------------ state
     def _reset(self) -> None:
         self._check: PendingCheck | None = None
         self._verified = False
         self._remaining = [self._passes] * len(self._params)
         self._ready = [0] * len(self.buckets)
         self._next = 0
-        self._in_flight: list[tuple[int, torch.Tensor, Work, bool]] = []
+        self._in_flight: list[tuple[int, Work]] = []
 
     @property
     def pending(self) -> bool:
@@ -92,52 +134,106 @@ class GradReducer:
             handle.remove()
         self._hooks = []
 
+    def _bind(self, comm: Communicator) -> None:
+        """Start using ``comm``: on a new ring, drop what was in flight, new buckets, tune again."""
+        if self._comm_ref is not None and self._comm_ref() is comm:
+            return
+        self._reset()
+        self._comm_ref = weakref.ref(comm)
+        self._ring_steps = 0
+        self._last_step_end = None
+        self._tuner = None
+        size = self._default_bytes
+        if self._autotune:
+            candidates = distinct_candidates(constants.AUTOTUNE_CANDIDATE_BYTES, self._default_bytes,
+                                             lambda s: tuple(b.indices for b in self._plan(s)))
+            self._tuner = Autotuner(candidates, self._default_bytes, constants.AUTOTUNE_WARMUP_STEPS,
+                                    constants.AUTOTUNE_SAMPLE_STEPS, constants.AUTOTUNE_MARGIN)
+            size = self._tuner.current
+            self._record_tuning()
+        self._use_plan(size)
+        self._reset()
+
+    def _layout_for_step(self) -> GradLayout:
+        if self._layout is None:
+            self._layout = GradLayout(self._params, self.buckets)
+        return self._layout
+
+    def _deferred(self, comm: Communicator) -> bool:
+        """Whether this step's check verdict waits until synchronize()."""
+        if self._ring_steps == 0:
+            return False  # a ring's first step checks synchronously: different models fail with a full message
+        return comm.device.type == "cuda" or self.defer_check_on_cpu
+
     # ------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         comm = runtime.current_or_none()
         if comm is None or comm.size == 1:
             return
         with self._lock:
-            self._bind(comm)
-            self._start_check(comm)
-            i = self._position[id(param)]
-            self._remaining[i] -= 1
-            if self._remaining[i] < 0:
-                raise RuntimeError(
-                    f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
-                    f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
-                    "or call step() after every backward pass"
-                )
-            if self._remaining[i] == 0:
-                self._ready[self._bucket_of[i]] += 1
-                self._launch_ready(comm)
-
-    def _bind(self, comm: Communicator) -> None:
-        """Start using ``comm``: drop anything in flight on an older round."""
-        if comm is not self._comm:
-            self._reset()
-            self._comm = comm
-
-    def _start_check(self, comm: Communicator) -> None:
-        """Once per step, at its first gradient: ask whether all ranks are here with the same model."""
-        if self._check is None and not self._verified:
             try:
-                self._check = start_check(comm, self._kind, self._entries, None)
-            except CommError:
-                self._reset()
+                self._bind(comm)
+                self._start_check(comm)
+                i = self._position[id(param)]
+                self._remaining[i] -= 1
+                if self._remaining[i] < 0:
+                    raise RuntimeError(
+                        f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
+                        f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
+                        "or call step() after every backward pass"
+                    )
+                if self._remaining[i] == 0:
+                    self._adopt(i, comm)
+                    self._ready[self._bucket_of[i]] += 1
+                    self._launch_ready(comm)
+            except CommError as exc:
+                self._on_comm_error(exc)
                 raise
 
-    def _finish_check(self) -> None:
-        """Before the step's first launch: the answer must be yes."""
+    def _start_check(self, comm: Communicator) -> None:
+        """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the same step."""
+        if self._check is None and not self._verified:
+            value = self._tuner.outgoing() if self._tuner is not None else 0
+            self._check = start_check(comm, self._kind, self._entries, None, values=[value],
+                                      step=self.applied_steps, digest=self._digest)
+
+    def _finish_check(self, comm: Communicator) -> None:
+        """The verdict must be yes before data that depends on it moves (deferred: before the step's results are used)."""
         if self._verified:
             return
         check, self._check = self._check, None
+        assert check is not None, "a step's check is started before its first launch"
+        deferred = bool(self._in_flight)
+        started = time.perf_counter()
         try:
-            check.finish()  # type: ignore[union-attr]
-        except Exception:
-            self._reset()
+            (value,) = check.finish(exchange=not deferred)
+        except TensorMismatchError:
+            self._after_mismatch(comm, check)
             raise
+        self.check_wait_s += time.perf_counter() - started
         self._verified = True
+        if self._tuner is not None:
+            self._tuner.incoming(value)
+
+    def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
+        """Buckets launched before a deferred verdict may not match the peers' (a different model, an
+        extra collective). If only the steps differ the buckets matched: drain them, then swap
+        descriptions so every rank's message lists every rank's step. Otherwise abort the ring."""
+        in_flight = self._in_flight
+        self._reset()
+        if not in_flight:
+            return
+        if check.same_call:
+            for _, work in in_flight:
+                work.wait()
+            raise TensorMismatchError(check.exchange_message()) from None
+        self._layout = None
+        comm.abort()
+
+    def _adopt(self, i: int, comm: Communicator) -> None:
+        layout = self._layout_for_step()
+        scale = self._op is ReduceOp.AVERAGE and layout.wire[self._bucket_of[i]] is layout.buffers[self._bucket_of[i]]
+        layout.adopt(i, self._params[i], comm.size if scale else None)
 
     def _launch_ready(self, comm: Communicator) -> None:
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].indices):
@@ -145,27 +241,12 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, comm: Communicator, b: int) -> None:
-        self._finish_check()
-        bucket = self.buckets[b]
-        buffer = self._buffers[b]
-        if buffer is None:
-            buffer = self._buffers[b] = fusion.allocate(bucket)
-        grads = self._grads()
-        prescale = self._op is ReduceOp.AVERAGE and fusion.needs_prescale(bucket.wire_dtype)
+        if not self._deferred(comm):
+            self._finish_check(comm)
+        layout = self._layout_for_step()
         base_op = ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
-        with torch.no_grad():
-            fusion.pack(bucket, grads, buffer)
-            if prescale:
-                buffer.mul_(1.0 / comm.size)
-        try:
-            work = comm.allreduce(buffer, base_op)
-        except CommError:
-            self._reset()
-            raise
-        self._in_flight.append((b, buffer, work, prescale))
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params]  # type: ignore[misc]
+        cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is not layout.buffers[b] else None
+        self._in_flight.append((b, layout.launch(b, comm, base_op, cast_divisor)))
 
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
@@ -175,21 +256,55 @@ class GradReducer:
             self._reset()
             return
         with self._lock:
-            self._bind(comm)
-            self._start_check(comm)
-            for p in self._params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            while self._next < len(self.buckets):
-                self._launch(comm, self._next)
-                self._next += 1
-            grads = self._grads()
             try:
-                with torch.no_grad():
-                    for b, buffer, work, prescale in self._in_flight:
-                        work.wait()
-                        if self._op is ReduceOp.AVERAGE and not prescale:
-                            buffer.div_(comm.size)
-                        fusion.unpack_(self.buckets[b], buffer, grads)
+                self._bind(comm)
+                self._start_check(comm)
+                for i, remaining in enumerate(self._remaining):
+                    if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
+                        self._remaining[i] = 0
+                        self._adopt(i, comm)
+                while self._next < len(self.buckets):
+                    self._launch(comm, self._next)
+                    self._next += 1
+                self._finish_check(comm)  # deferred: the verdict comes before any result is used
+                layout = self._layout_for_step()
+                for b, work in self._in_flight:
+                    work.wait()
+                    layout.finish(b)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
             finally:
                 self._reset()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        now = time.perf_counter()
+        seconds = None if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        self._ring_steps += 1
+        if self._tuner is not None:
+            switch = self._tuner.end_step(seconds)
+            if switch is not None:
+                self._use_plan(switch)
+                self._reset()
+            self._record_tuning()
+
+    def _record_tuning(self) -> None:
+        tuner = self._tuner
+        if tuner is None or tuner.result is None or tuner.result is self.autotune_result:
+            return
+        self.autotune_result = result = tuner.result
+        timeline.instant("autotune", "fusion", chosen_bytes=result.chosen_bytes, candidates=list(result.candidates),
+                         step_ms=[round(t, 3) for t in result.step_ms])
+        times = ", ".join(f"{c >> 10} KiB: {t:.1f} ms" for c, t in zip(result.candidates, result.step_ms)) or "one candidate"
+        _log.info("autotune: DistributedOptimizer uses fusion_threshold_bytes=%d (median step per bucket size: %s; "
+                  "tuned over %d steps)", result.chosen_bytes, times, result.tuning_steps)
+
+    def _on_comm_error(self, exc: CommError) -> None:
+        """Drop everything of this step; gradients become None, and the buckets are rebuilt next time."""
+        self._reset()
+        self._layout = None
+        for p in self._params:
+            p.grad = None
+        setattr(exc, "live_state_consistent", True)
