@@ -1,6 +1,7 @@
 """Gradients as views into the fusion buckets, over real processes: exact results with both
 zero_grad modes, parameters without gradients, fp16, re-formed rings, and failures."""
 
+import dataclasses
 import os
 import signal
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from tests import process_ring
 
 IN, HIDDEN, OUT, PER_RANK = 12, 32, 4, 6
 
@@ -171,6 +173,13 @@ def test_a_new_ring_rebuilds_the_buckets(ring):
         assert torch.equal(everyone[0], everyone[1])
 
 
+def _auth() -> dict:
+    """The test rings' secret, where RingSpec has an auth_key (it is the same on every rank)."""
+    if "auth_key" in {f.name for f in dataclasses.fields(er.RingSpec)}:
+        return {"auth_key": process_ring.TEST_SECRET}
+    return {}
+
+
 def _fail_in_the_middle_of_a_reduction(store_host, store_port, victim):
     """The victim dies after its forward pass of step 2; the survivors fail inside the reduction."""
     store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False)
@@ -204,7 +213,7 @@ def _fail_in_the_middle_of_a_reduction(store_host, store_port, victim):
     # retry on the survivors' ring: the buckets are re-established and the results agree
     old_rank = er.rank()
     er.init(er.RingSpec(round_id=next_round, rank=old_rank, world_size=2, node_ids=("n", "n"),
-                        store=er.StoreAddress(store_host, store_port)))
+                        store=er.StoreAddress(store_host, store_port), **_auth()))
     for step in range(2, 4):
         opt.zero_grad(set_to_none=False)
         x, y = batch(step, er.rank())
