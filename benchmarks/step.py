@@ -92,8 +92,11 @@ def _model(workload: Workload) -> torch.nn.Module:
 
 
 def _train(model, opt, data, loss_fn, n, phases=None):
+    """``n`` steps; batches continue where this model's previous call stopped (``opt.batches_seen``)."""
     times = []
-    for i in range(n):
+    start = getattr(opt, "batches_seen", 0)
+    opt.batches_seen = start + n
+    for i in range(start, start + n):
         x, y = data[i % len(data)]
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -110,7 +113,7 @@ def _train(model, opt, data, loss_fn, n, phases=None):
     return times
 
 
-def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool, max_warmup: int) -> dict:
+def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None) -> dict:
     workload = WORKLOADS[name]
     rank, world = er.rank(), er.size()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
@@ -135,7 +138,7 @@ def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool,
         "ddp": (ddp, sgd(ddp.parameters())),
         "ours": (ours_model, er.DistributedOptimizer(sgd(ours_model.parameters()), ours_model.named_parameters())),
         "fixed": (fixed_model, er.DistributedOptimizer(sgd(fixed_model.parameters()), fixed_model.named_parameters(),
-                                                       autotune=False)),
+                                                       autotune=False, first_bucket_bytes=fixed_first)),
     }
     ours_opt = methods["ours"][1]
     warmup = 0
@@ -165,9 +168,9 @@ def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool,
     }
 
 
-def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, max_warmup: int) -> dict:
+def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = run_ranks(_bench, world, name, steps, blocks, store.port, ddp_bucket_view, max_warmup)
+    results = run_ranks(_bench, world, name, steps, blocks, store.port, ddp_bucket_view, max_warmup, fixed_first)
     r0 = results[0]
     ddp_blocks, ours_blocks, fixed_blocks = (r0["times"][k] for k in ("ddp", "ours", "fixed"))
     ratios = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, ours_blocks)]
@@ -188,13 +191,16 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6, help="blocks per method, alternating")
     parser.add_argument("--max-warmup", type=int, default=60, help="most steps to wait for the autotuner before measuring")
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
+    parser.add_argument("--fixed-first-mib", type=float, default=None,
+                        help="first_bucket_bytes of the 'ours fixed' column in MiB (default: the library's, 1 MiB; 0: none)")
     args = parser.parse_args()
     rows = []
     for spec in args.rows:
         name, _, world = spec.partition("@")
         if name not in WORKLOADS or not world.isdigit() or int(world) < 1:
             parser.error(f"--rows {spec!r}: use WORKLOAD@WORLD with WORKLOAD one of {', '.join(WORKLOADS)}")
-        rows.append(_row(name, int(world), args.steps, args.blocks, args.ddp_bucket_view, args.max_warmup))
+        fixed_first = None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20)
+        rows.append(_row(name, int(world), args.steps, args.blocks, args.ddp_bucket_view, args.max_warmup, fixed_first))
         print_tables(rows, args, partial=True)
     print_tables(rows, args, partial=False)
 
@@ -205,8 +211,10 @@ def print_tables(rows: list[dict], args, partial: bool) -> None:
         print(f"... {r['name']}@{r['world']}: ratio {r['ratio']:.3f} (blocks {r['ratio_min']:.2f}-{r['ratio_max']:.2f}), "
               f"fixed {r['fixed_ratio']:.3f}, autotune {r['tuning']}", flush=True)
         return
+    first = "1 MiB (default)" if args.fixed_first_mib is None else f"{args.fixed_first_mib:g} MiB"
     print(f"\ngloo, {torch.get_num_threads()} threads available, 1 compute thread per rank, {args.blocks} blocks x "
-          f"{args.steps} steps per method, interleaved; DDP gradient_as_bucket_view={args.ddp_bucket_view}")
+          f"{args.steps} steps per method, interleaved; DDP gradient_as_bucket_view={args.ddp_bucket_view}; "
+          f"'fixed' = autotune off, 16 MiB buckets, first bucket {first}")
     print(f"{'workload':<34} {'world':>5} {'grads MiB':>9} {'DDP ms':>8} {'ours ms':>8} {'ours/DDP thr':>12} "
           f"{'blocks':>11} {'fixed 16MiB':>11} {'autotuned':>9} {'max|dp|':>8}")
     for r in rows:
