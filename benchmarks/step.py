@@ -5,8 +5,10 @@ Every row trains one workload over gloo in the same processes three ways:
 ``broadcast_buffers=False``, since DistributedOptimizer does not sync
 BatchNorm buffers either), ``ours`` (DistributedOptimizer with its defaults:
 gradient bucket views, the 1 MiB first bucket, autotuning) and ``ours fixed``
-(the same with ``autotune=False``, 16 MiB buckets). All start from the same
-weights and see the same data. Blocks of steps alternate between the three so
+(the same with ``autotune=False``, 16 MiB buckets), and ``local``, the same
+model and optimizer without any communication, which is the floor: ``DDP /
+local`` is the most any data-parallel reducer could gain over DDP on that row.
+All start from the same weights and see the same data. Blocks of steps alternate between the three so
 that machine noise hits all alike; ours is first warmed up until its
 autotuner has chosen. For each block the throughput ratio is DDP's median
 step time / ours; a row's ratio is the median over blocks (>= 1.0: at least
@@ -14,7 +16,7 @@ as fast as DDP). A second table splits the median step into forward,
 backward (DDP waits for its allreduces at the end of backward) and
 ``step()`` (ours waits for its buckets there), which is what explains a row.
 
-    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 6] [--steps 6]
+    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3]
 
 A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optimizer instead of DDP: the cost of wrapping.
 """
@@ -133,19 +135,20 @@ def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool,
                                                             gradient_as_bucket_view=ddp_bucket_view)
     else:
         ddp = baseline
-    ours_model, fixed_model = _model(workload), _model(workload)
+    ours_model, fixed_model, local_model = _model(workload), _model(workload), _model(workload)
     methods = {
         "ddp": (ddp, sgd(ddp.parameters())),
         "ours": (ours_model, er.DistributedOptimizer(sgd(ours_model.parameters()), ours_model.named_parameters())),
         "fixed": (fixed_model, er.DistributedOptimizer(sgd(fixed_model.parameters()), fixed_model.named_parameters(),
                                                        autotune=False, first_bucket_bytes=fixed_first)),
+        "local": (local_model, sgd(local_model.parameters())),
     }
     ours_opt = methods["ours"][1]
     warmup = 0
     while ours_opt.autotune_result is None and warmup < max_warmup and world > 1:
         warmup += len(_train(*methods["ours"], data, loss_fn, 1))
     _train(*methods["ours"], data, loss_fn, 2)
-    for key in ("ddp", "fixed"):  # the same number of steps on every model, so their parameters can be compared
+    for key in ("ddp", "fixed", "local"):  # the same number of steps on every model, so their parameters can be compared
         _train(*methods[key], data, loss_fn, warmup + 2)
     times: dict[str, list[list[float]]] = {k: [] for k in methods}
     phases: dict[str, dict[str, list[float]]] = {k: {p: [] for p in PHASES} for k in methods}
@@ -172,13 +175,15 @@ def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = run_ranks(_bench, world, name, steps, blocks, store.port, ddp_bucket_view, max_warmup, fixed_first)
     r0 = results[0]
-    ddp_blocks, ours_blocks, fixed_blocks = (r0["times"][k] for k in ("ddp", "ours", "fixed"))
+    ddp_blocks, ours_blocks, fixed_blocks, local_blocks = (r0["times"][k] for k in ("ddp", "ours", "fixed", "local"))
     ratios = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, ours_blocks)]
     fixed_ratios = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, fixed_blocks)]
+    bound = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, local_blocks)]
     flat = lambda blocks_: statistics.median([t for b in blocks_ for t in b]) * 1e3  # noqa: E731
     params = sum(p.numel() for p in _model(WORKLOADS[name]).parameters())
     return {"name": name, "world": world, "mib": params * 4 / 2**20, "ddp_ms": flat(ddp_blocks), "ours_ms": flat(ours_blocks),
-            "fixed_ms": flat(fixed_blocks), "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "fixed_ms": flat(fixed_blocks), "local_ms": flat(local_blocks), "bound": statistics.median(bound),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios), "fixed_ratio": statistics.median(fixed_ratios), "chosen": r0["chosen"],
             "tuning": r0["tuning"], "warmup": r0["warmup_steps"], "diff": max(r["max_param_diff"] for r in results),
             "phases": r0["phases"], "check_wait_ms": max(r["check_wait_ms"] for r in results)}
@@ -187,8 +192,8 @@ def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="WORKLOAD@WORLD, workloads: " + ", ".join(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=6, help="steps per block")
-    parser.add_argument("--blocks", type=int, default=6, help="blocks per method, alternating")
+    parser.add_argument("--steps", type=int, default=3, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=15, help="blocks per method, alternating")
     parser.add_argument("--max-warmup", type=int, default=60, help="most steps to wait for the autotuner before measuring")
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
     parser.add_argument("--fixed-first-mib", type=float, default=None,
@@ -216,20 +221,21 @@ def print_tables(rows: list[dict], args, partial: bool) -> None:
           f"{args.steps} steps per method, interleaved; DDP gradient_as_bucket_view={args.ddp_bucket_view}; "
           f"'fixed' = autotune off, 16 MiB buckets, first bucket {first}")
     print(f"{'workload':<34} {'world':>5} {'grads MiB':>9} {'DDP ms':>8} {'ours ms':>8} {'ours/DDP thr':>12} "
-          f"{'blocks':>11} {'fixed 16MiB':>11} {'autotuned':>9} {'max|dp|':>8}")
+          f"{'blocks':>11} {'fixed 16MiB':>11} {'autotuned':>9} {'max|dp|':>8} {'local ms':>8} {'DDP/local':>9}")
     for r in rows:
         chosen = "-" if r["chosen"] is None else f"{r['chosen'] / 2**20:g} MiB"
         print(f"{WORKLOADS[r['name']].label:<34} {r['world']:>5} {r['mib']:>9.1f} {r['ddp_ms']:>8.1f} {r['ours_ms']:>8.1f} "
               f"{r['ratio']:>11.3f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['fixed_ratio']:>10.3f}x {chosen:>9} "
-              f"{r['diff']:>8.1e}")
+              f"{r['diff']:>8.1e} {r['local_ms']:>8.1f} {r['bound']:>8.3f}x")
     ratios = [r["ratio"] for r in rows]
     print(f"median over rows: {statistics.median(ratios):.3f}x; lowest row {min(ratios):.3f}x")
+    print("DDP/local: how much faster than DDP a step with no communication at all is (the most any reducer could gain)")
     print("\nmedian phase times (ms): forward / backward / step()  -- DDP waits in backward, ours in step()")
     for r in rows:
         ph = r["phases"]
-        cells = "   ".join(f"{k}: " + " / ".join(f"{ph[k][p] * 1e3:.1f}" for p in PHASES) for k in ("ddp", "ours", "fixed"))
+        cells = "   ".join(f"{k}: " + " / ".join(f"{ph[k][p] * 1e3:.1f}" for p in PHASES) for k in ("ddp", "ours", "fixed", "local"))
         total = {k: sum(ph[k].values()) * 1e3 for k in ph}
-        print(f"{r['name']}@{r['world']:<3} {cells}   (sums {total['ddp']:.1f} / {total['ours']:.1f} / {total['fixed']:.1f}); "
+        print(f"{r['name']}@{r['world']:<3} {cells}   (sums {total['ddp']:.1f} / {total['ours']:.1f} / {total['fixed']:.1f} / {total['local']:.1f}); "
               f"check wait per step: {r['check_wait_ms']:.3f} ms; autotune (bytes, ms): {r['tuning']}")
 
 
