@@ -54,6 +54,7 @@ from .grad_buckets import GradLayout
 from .log import get_logger
 from .ops import ReduceOp
 from .signature import PendingCheck, describe, signature_hash, start_check
+from .verdict import VerdictWaiter
 
 _log = get_logger(__name__)
 
@@ -93,7 +94,8 @@ class GradReducer:
         self._layout: GradLayout | None = None
         self._ring_steps = 0
         self._last_step_end: float | None = None
-        self.check_wait_s = 0.0  # total time the hooks waited for checks (the check must not delay the first bucket)
+        self.check_wait_s = 0.0  # total time the training thread waited for checks
+        self.first_bucket_delay_s = 0.0  # total time ready first buckets waited for their step's verdict
         self._use_plan(bucket_bytes)
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
@@ -118,6 +120,8 @@ class GradReducer:
 
     def _reset(self) -> None:
         self._check: PendingCheck | None = None
+        self._verdict: VerdictWaiter | None = None
+        self._gated_since: float | None = None
         self._verified = False
         self._remaining = [self._passes] * len(self._params)
         self._ready = [0] * len(self.buckets)
@@ -160,9 +164,9 @@ class GradReducer:
         return self._layout
 
     def _deferred(self, comm: Communicator) -> bool:
-        """Whether this step's check verdict waits until synchronize()."""
+        """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
         if self._ring_steps == 0:
-            return False  # a ring's first step checks synchronously: different models fail with a full message
+            return False  # a ring's first step checks first: different models fail with a full message
         return comm.device.type == "cuda" or self.defer_check_on_cpu
 
     # ------------------------------------------------------------ hooks
@@ -173,7 +177,8 @@ class GradReducer:
         with self._lock:
             try:
                 self._bind(comm)
-                self._start_check(comm)
+                self._raise_if_verdict_failed()
+                self._start_check(comm, helper=comm.device.type == "cpu" and not self._deferred(comm))
                 i = self._position[id(param)]
                 self._remaining[i] -= 1
                 if self._remaining[i] < 0:
@@ -190,12 +195,40 @@ class GradReducer:
                 self._on_comm_error(exc)
                 raise
 
-    def _start_check(self, comm: Communicator) -> None:
-        """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the same step."""
-        if self._check is None and not self._verified:
-            value = self._tuner.outgoing() if self._tuner is not None else 0
-            self._check = start_check(comm, self._kind, self._entries, None, values=[value],
-                                      step=self.applied_steps, digest=self._digest)
+    def _start_check(self, comm: Communicator, helper: bool) -> None:
+        """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the
+        same step. With ``helper``, the answer is awaited on a helper thread (backward goes on meanwhile)."""
+        if self._check is not None or self._verified or self._verdict is not None:
+            return
+        value = self._tuner.outgoing() if self._tuner is not None else 0
+        check = start_check(comm, self._kind, self._entries, None, values=[value], step=self.applied_steps,
+                            digest=self._digest)
+        if helper:
+            self._verdict = VerdictWaiter(check, lambda waiter, values: self._on_verdict(comm, waiter, values),
+                                          comm.spec.collective_timeout_s + 10.0)
+        else:
+            self._check = check
+
+    def _on_verdict(self, comm: Communicator, waiter: VerdictWaiter, values: list[int]) -> None:
+        """On the helper thread, once every rank said yes: launch what became ready meanwhile."""
+        with self._lock:
+            if self._verdict is not waiter:  # this step was abandoned (a failure, a new ring)
+                return
+            self._accept(values[0])
+            self._launch_ready(comm)
+
+    def _accept(self, value: int) -> None:
+        self._verified = True
+        if self._tuner is not None:
+            self._tuner.incoming(value)
+
+    def _raise_if_verdict_failed(self) -> None:
+        """Raise, on the training thread, what the helper thread met (nothing was sent before its answer)."""
+        waiter = self._verdict
+        if waiter is None or not waiter.done or waiter.error is None:
+            return
+        self._reset()
+        raise waiter.error
 
     def _finish_check(self, comm: Communicator) -> None:
         """The verdict must be yes before data that depends on it moves (deferred: before the step's results are used)."""
@@ -211,9 +244,7 @@ class GradReducer:
             self._after_mismatch(comm, check)
             raise
         self.check_wait_s += time.perf_counter() - started
-        self._verified = True
-        if self._tuner is not None:
-            self._tuner.incoming(value)
+        self._accept(value)
 
     def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
         """Buckets launched before a deferred verdict may not match the peers' (a different model, an
@@ -236,13 +267,21 @@ class GradReducer:
         layout.adopt(i, self._params[i], comm.size if scale else None)
 
     def _launch_ready(self, comm: Communicator) -> None:
+        """Launch, in order, every bucket that is ready and allowed to go."""
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].indices):
+            if not self._verified and not self._deferred(comm):
+                if self._verdict is not None:  # the helper launches it once the answer is in
+                    if self._gated_since is None:
+                        self._gated_since = time.perf_counter()
+                    return
+                self._finish_check(comm)
             self._launch(comm, self._next)
             self._next += 1
 
     def _launch(self, comm: Communicator, b: int) -> None:
-        if not self._deferred(comm):
-            self._finish_check(comm)
+        if self._gated_since is not None:
+            self.first_bucket_delay_s += time.perf_counter() - self._gated_since
+            self._gated_since = None
         layout = self._layout_for_step()
         base_op = ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
         cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is not layout.buffers[b] else None
@@ -255,17 +294,31 @@ class GradReducer:
         if comm.size == 1:
             self._reset()
             return
+        waiter = self._verdict
+        if waiter is not None:  # outside the lock: the helper takes it to launch what became ready
+            started = time.perf_counter()
+            try:
+                waiter.settle()
+            except CommError as exc:
+                with self._lock:
+                    self._on_comm_error(exc)
+                raise
+            finally:
+                self.check_wait_s += time.perf_counter() - started
         with self._lock:
             try:
                 self._bind(comm)
-                self._start_check(comm)
+                if self._verdict is waiter:
+                    self._raise_if_verdict_failed()
+                self._start_check(comm, helper=False)  # no gradient arrived this step: check here
                 for i, remaining in enumerate(self._remaining):
                     if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
                         self._remaining[i] = 0
                         self._adopt(i, comm)
-                while self._next < len(self.buckets):
-                    self._launch(comm, self._next)
-                    self._next += 1
+                        self._ready[self._bucket_of[i]] += 1
+                self._launch_ready(comm)
+                if self._next != len(self.buckets):
+                    raise RuntimeError(f"internal error: {len(self.buckets) - self._next} gradient buckets were not launched")
                 self._finish_check(comm)  # deferred: the verdict comes before any result is used
                 layout = self._layout_for_step()
                 for b, work in self._in_flight:
