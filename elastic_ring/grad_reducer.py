@@ -88,6 +88,8 @@ class GradReducer:
         self._tuner: Autotuner | None = None
         self.autotune_result: AutotuneResult | None = None
         self.applied_steps = 0
+        self._step_armed = True
+        self._armed_ref: weakref.ref | None = None
         self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
         self._lock = threading.RLock()
         self._comm_ref: weakref.ref | None = None
@@ -133,6 +135,15 @@ class GradReducer:
         """True between the first ready gradient of a step and its synchronize()."""
         return bool(self._in_flight) or any(r != self._passes for r in self._remaining)
 
+    def set_applied_steps(self, n: int) -> None:
+        """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
+        restore): from now on this ring compares it in every step's check."""
+        self.applied_steps = n
+        comm = runtime.current_or_none()
+        self._armed_ref = weakref.ref(comm) if comm is not None else None
+        if comm is not None and self._comm_ref is not None and self._comm_ref() is comm:
+            self._step_armed = True
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -143,6 +154,9 @@ class GradReducer:
         if self._comm_ref is not None and self._comm_ref() is comm:
             return
         self._reset()
+        # applied_steps is compared across ranks in a reducer's first ring (every rank starts at 0) and
+        # in a ring on which the state layer re-based it (set_applied_steps after a sync or a restore)
+        self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
         self._comm_ref = weakref.ref(comm)
         self._ring_steps = 0
         self._last_step_end = None
@@ -201,8 +215,9 @@ class GradReducer:
         if self._check is not None or self._verified or self._verdict is not None:
             return
         value = self._tuner.outgoing() if self._tuner is not None else 0
-        check = start_check(comm, self._kind, self._entries, None, values=[value], step=self.applied_steps,
-                            digest=self._digest)
+        step = self.applied_steps if self._step_armed else None
+        check = start_check(comm, self._kind, self._entries, None, values=[value], step=step, digest=self._digest,
+                            step_slots=True)
         if helper:
             self._verdict = VerdictWaiter(check, lambda waiter, values: self._on_verdict(comm, waiter, values),
                                           comm.spec.collective_timeout_s + 10.0)

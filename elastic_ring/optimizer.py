@@ -66,10 +66,13 @@ class _DistributedMixin:
         return self._er_reducer.applied_steps
 
     def _set_applied_steps(self, n: int) -> None:
-        """Re-base :attr:`applied_steps` (the state layer does this after a sync or a restore)."""
+        """Re-base :attr:`applied_steps` to ``n``, the same on every rank of the current ring (the state
+        layer calls this after every sync and restore). From then on the current ring compares it in
+        every step's check; after a re-form that was not re-based, only a fresh optimizer's count is
+        compared (a joiner starts at 0 while survivors do not)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"applied_steps={n!r} must be an int >= 0")
-        self._er_reducer.applied_steps = n
+        self._er_reducer.set_applied_steps(n)
 
     @property
     def fusion_buckets(self):

@@ -7,7 +7,7 @@ let a caller agree on small numbers in the same message. A caller may also
 pass a ``step`` (a transaction id, e.g. the optimizer step about to be
 reduced): it takes two of the slots, ``s`` and ``BIG - s``, whose maxima give
 the largest and the smallest step over the ranks, so disagreement is caught in
-the same round trip. This costs one 48-byte allreduce and catches, on every
+the same round trip (a rank that sends zeros there is left out). This costs one 48-byte allreduce and catches, on every
 rank, what gloo or NCCL would otherwise turn into a hang or silently wrong
 numbers (tensors of different shapes or dtypes, different numbers of tensors,
 different collectives called at the same point, ranks at different steps). On
@@ -71,17 +71,19 @@ class PendingCheck:
         values: Sequence[int] = (),
         step: int | None = None,
         digest: int | None = None,
+        step_slots: bool | None = None,
     ) -> None:
         self._comm, self._kind, self._entries, self._timeout_s = comm, kind, list(entries), timeout_s
         self._hash = signature_hash(kind, self._entries) if digest is None else digest
         self._values = [int(v) for v in values]
         self._step = step
+        self._step_slots = step is not None if step_slots is None else step_slots
         self.same_call = True  # after finish(): whether the ranks made the same call (only steps may differ)
         slots = list(self._values)
-        if step is not None:
-            if not isinstance(step, int) or not 0 <= step < BIG:
+        if self._step_slots:  # a rank without a step sends zeros: neutral for both maxima
+            if step is not None and (not isinstance(step, int) or not 0 <= step < BIG):
                 raise ValueError(f"step={step!r} must be an int in [0, 2**62)")
-            slots = [step, BIG - step] + slots
+            slots = ([0, 0] if step is None else [step, BIG - step]) + slots
         if len(slots) > VALUE_SLOTS or any(v < 0 for v in self._values):
             raise ValueError(f"a check carries at most {VALUE_SLOTS} non-negative values (a step takes two), got {slots}")
         padded = [self._hash, -self._hash] + slots + [0] * (VALUE_SLOTS - len(slots))
@@ -107,11 +109,11 @@ class PendingCheck:
         self._work = None
         hi, neg_lo, *maxima = self._probe.tolist()
         self.same_call = hi == self._hash and -neg_lo == self._hash
-        if self._step is not None:
-            steps = (BIG - maxima[1], maxima[0])
+        steps: tuple[int | None, int | None] = (None, None)
+        if self._step_slots:
+            if maxima[1] > 0:  # some rank sent a step: compare the smallest and the largest
+                steps = (BIG - maxima[1], maxima[0])
             maxima = maxima[2:]
-        else:
-            steps = (None, None)
         if self.same_call and steps[0] == steps[1]:
             return maxima[: len(self._values)]
         if exchange:
@@ -135,9 +137,15 @@ def start_check(
     values: Sequence[int] = (),
     step: int | None = None,
     digest: int | None = None,
+    step_slots: bool | None = None,
 ) -> PendingCheck:
-    """Launch the check without waiting; call ``finish()`` before moving any data that depends on it."""
-    return PendingCheck(comm, kind, entries, timeout_s, values, step, digest)
+    """Launch the check without waiting; call ``finish()`` before moving any data that depends on it.
+
+    ``step`` (a transaction id) is compared across the ranks that send one; with
+    ``step_slots=True`` a rank may send ``step=None`` (not compared) in the same
+    probe layout as its peers.
+    """
+    return PendingCheck(comm, kind, entries, timeout_s, values, step, digest, step_slots)
 
 
 def agree_max(kind: str, values: Sequence[int], timeout_s: float | None = None) -> list[int]:
@@ -201,8 +209,8 @@ def _mismatch_message(views: list[dict[str, Any]]) -> str:
                 "every rank must pass tensors of the same name, dtype and shape"
             )
     steps = [v["step"] for v in views]
-    if len(set(steps)) > 1:
-        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+    if len({s for s in steps if s is not None}) > 1:
+        per_rank = ", ".join(f"rank {r}: {'not compared' if s is None else s}" for r, s in enumerate(steps))
         return (
             f"{kind}: ranks are at different optimizer steps ({per_rank}); every rank must reduce the same "
             "step, so the training state must be synced (e.g. state.sync(), or restore the same commit) "

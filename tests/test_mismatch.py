@@ -201,3 +201,42 @@ def test_signature_module_does_not_import_pickle():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "pickle" not in imported and "json" in imported
+
+
+_KEPT: dict = {}  # one optimizer per worker process, across tasks (rings)
+
+
+def _first_ring_then_diverge():
+    _KEPT["opt"] = _tiny_optimizer()
+    model, opt = _KEPT["opt"]
+    for step in range(2):
+        _one_step(model, opt, step)
+    if er.rank() == 1:  # e.g. this rank applied one more step before the ring failed, and nobody re-based
+        opt._er_reducer.applied_steps += 1
+    return opt.applied_steps
+
+
+def _next_ring_with_a_joiner():
+    if er.rank() == 2:  # the joiner: a fresh optimizer (its count starts at 0)
+        _KEPT["opt"] = _tiny_optimizer()
+    model, opt = _KEPT["opt"]
+    counts = [opt.applied_steps]
+    _one_step(model, opt, 10)  # survivors at 2 and 3, joiner at 0: not compared until re-based
+    opt._set_applied_steps(20)  # what the state layer does after the sync: every rank agrees now
+    _one_step(model, opt, 11)
+    counts.append(opt.applied_steps)
+    opt._set_applied_steps(30 + (er.rank() == 2))  # a rank that missed the re-base
+    try:
+        _one_step(model, opt, 12)
+    except er.TensorMismatchError as exc:
+        return counts, str(exc)
+    return counts, None
+
+
+def test_step_ids_are_compared_once_the_ring_is_rebased(ring):
+    assert ring.run(_first_ring_then_diverge, world_size=2) == [2, 3]
+    results = ring.run(_next_ring_with_a_joiner, world_size=3, timeout_s=30)
+    assert [counts for counts, _ in results] == [[2, 21], [3, 21], [0, 21]]
+    messages = [m for _, m in results]
+    assert messages[0] is not None and len(set(messages)) == 1
+    assert "(rank 0: 30, rank 1: 30, rank 2: 31)" in messages[0]
