@@ -77,8 +77,9 @@ def _wait_count(store: dist.TCPStore, key: str, n: int, deadline: float, what: s
 
 def form_times(world: int, reforms: int, timeout_s: float = 600.0) -> tuple[float, list[float]]:
     """Seconds to form the first ring of ``world`` fresh processes, and each re-form after it."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "elastic_ring"])
+    # spawn, not a forkserver with torch preloaded: children forked from a process that imported torch
+    # stall ~5 s on some connections at 16+ ranks (measured), which real workers (Ray actors) never do
+    ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     queue = ctx.Queue()
     rounds = reforms + 1

@@ -59,6 +59,10 @@ OPTIMIZER_BUCKET_BYTES: int = _env_int("ELASTIC_RING_OPTIMIZER_BUCKET_BYTES", 16
 #: the first allreduce starts early in backward (DDP's first bucket is 1 MiB).
 FIRST_BUCKET_BYTES: int = _env_int("ELASTIC_RING_FIRST_BUCKET_BYTES", 1 * MIB)
 
+#: Gradients smaller than this are moved into their bucket views together when their bucket is
+#: complete (one batched copy and division); larger ones in their own hook, while backward goes on.
+GRAD_BATCH_BELOW_BYTES: int = _env_int("ELASTIC_RING_GRAD_BATCH_BELOW_BYTES", 256 * 1024)
+
 #: Whether DistributedOptimizer tunes its bucket size during the first steps of
 #: every ring when the caller did not fix ``fusion_threshold_bytes``.
 AUTOTUNE: bool = _env_bool("ELASTIC_RING_AUTOTUNE", True)

@@ -79,6 +79,7 @@ class GradReducer:
         self._params = [p for _, p in ordered]
         self._position = {id(p): i for i, p in enumerate(self._params)}
         self._metas = [(p.numel(), p.dtype, p.device) for p in self._params]
+        self._nbytes = [p.numel() * p.element_size() for p in self._params]
         self._op = op
         self._compressor = compressor
         self._passes = backward_passes_per_step
@@ -93,6 +94,7 @@ class GradReducer:
         self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
         self._lock = threading.RLock()
         self._comm_ref: weakref.ref | None = None
+        self._on_cpu = True
         self._layout: GradLayout | None = None
         self._ring_steps = 0
         self._last_step_end: float | None = None
@@ -127,6 +129,7 @@ class GradReducer:
         self._verified = False
         self._remaining = [self._passes] * len(self._params)
         self._ready = [0] * len(self.buckets)
+        self._small: list[list[int]] = [[] for _ in self.buckets]  # ready small gradients not yet in their views
         self._next = 0
         self._in_flight: list[tuple[int, Work]] = []
 
@@ -158,6 +161,7 @@ class GradReducer:
         # in a ring on which the state layer re-based it (set_applied_steps after a sync or a restore)
         self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
         self._comm_ref = weakref.ref(comm)
+        self._on_cpu = comm.device.type == "cpu"
         self._ring_steps = 0
         self._last_step_end = None
         self._tuner = None
@@ -181,7 +185,7 @@ class GradReducer:
         """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
         if self._ring_steps == 0:
             return False  # a ring's first step checks first: different models fail with a full message
-        return comm.device.type == "cuda" or self.defer_check_on_cpu
+        return not self._on_cpu or self.defer_check_on_cpu
 
     # ------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -192,7 +196,7 @@ class GradReducer:
             try:
                 self._bind(comm)
                 self._raise_if_verdict_failed()
-                self._start_check(comm, helper=comm.device.type == "cpu" and not self._deferred(comm))
+                self._start_check(comm, helper=self._on_cpu and not self._deferred(comm))
                 i = self._position[id(param)]
                 self._remaining[i] -= 1
                 if self._remaining[i] < 0:
@@ -202,8 +206,7 @@ class GradReducer:
                         "or call step() after every backward pass"
                     )
                 if self._remaining[i] == 0:
-                    self._adopt(i, comm)
-                    self._ready[self._bucket_of[i]] += 1
+                    self._ready_one(i, comm)
                     self._launch_ready(comm)
             except CommError as exc:
                 self._on_comm_error(exc)
@@ -276,10 +279,20 @@ class GradReducer:
         self._layout = None
         comm.abort()
 
-    def _adopt(self, i: int, comm: Communicator) -> None:
+    def _ready_one(self, i: int, comm: Communicator) -> None:
+        """Parameter ``i``'s gradient is final for this step: move it into its view (a large one now,
+        small ones together once their bucket is complete) and count it."""
+        b = self._bucket_of[i]
         layout = self._layout_for_step()
-        scale = self._op is ReduceOp.AVERAGE and layout.wire[self._bucket_of[i]] is layout.buffers[self._bucket_of[i]]
-        layout.adopt(i, self._params[i], comm.size if scale else None)
+        divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is layout.buffers[b] else None
+        if self._nbytes[i] >= constants.GRAD_BATCH_BELOW_BYTES:
+            layout.adopt(i, self._params[i], divisor)
+        else:
+            self._small[b].append(i)
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b].indices) and self._small[b]:
+            layout.adopt_many(self._small[b], self._params, divisor)
+            self._small[b] = []
 
     def _launch_ready(self, comm: Communicator) -> None:
         """Launch, in order, every bucket that is ready and allowed to go."""
@@ -329,8 +342,7 @@ class GradReducer:
                 for i, remaining in enumerate(self._remaining):
                     if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
                         self._remaining[i] = 0
-                        self._adopt(i, comm)
-                        self._ready[self._bucket_of[i]] += 1
+                        self._ready_one(i, comm)
                 self._launch_ready(comm)
                 if self._next != len(self.buckets):
                     raise RuntimeError(f"internal error: {len(self.buckets) - self._next} gradient buckets were not launched")

@@ -51,7 +51,17 @@ def in_a_bucket(opt, p):
     return any(buf.untyped_storage().data_ptr() == p.grad.untyped_storage().data_ptr() for buf in layout.buffers)
 
 
-def _train_with_views(set_to_none, bucket_bytes):
+def _train_with_views(set_to_none, bucket_bytes, batch_below_bytes):
+    from elastic_ring import constants
+
+    saved, constants.GRAD_BATCH_BELOW_BYTES = constants.GRAD_BATCH_BELOW_BYTES, batch_below_bytes
+    try:
+        return _train_views(set_to_none, bucket_bytes)
+    finally:
+        constants.GRAD_BATCH_BELOW_BYTES = saved
+
+
+def _train_views(set_to_none, bucket_bytes):
     model = make_model()
     opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(),
                                   fusion_threshold_bytes=bucket_bytes, first_bucket_bytes=256)
@@ -69,9 +79,10 @@ def _train_with_views(set_to_none, bucket_bytes):
     return views, len(storages), len(opt.fusion_buckets), params, opt.applied_steps
 
 
+@pytest.mark.parametrize("batch_below_bytes", [0, 1 << 20], ids=["each-in-its-hook", "batched-per-bucket"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_gradients_are_bucket_views_and_results_are_exact(ring, set_to_none):
-    results = ring.run(_train_with_views, set_to_none, 2048, world_size=3)
+def test_gradients_are_bucket_views_and_results_are_exact(ring, set_to_none, batch_below_bytes):
+    results = ring.run(_train_with_views, set_to_none, 2048, batch_below_bytes, world_size=3)
     expected = reference(3, 4)
     for views, storages, buckets, params, applied in results:
         assert views == [True] * 4, "after every step each .grad is a view into a bucket"
