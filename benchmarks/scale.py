@@ -14,7 +14,8 @@ Part 2 (Ray, ``ElasticTrainer``): ``world`` workers train a small MLP; one
 SIGKILLs itself at step 20. Recovery is the time from the kill to the
 survivors' first completed step in the new ring (as benchmarks/recovery.py).
 
-Both are drawn into ``--png`` (default docs/scale.png). On this 2-core machine
+Both are drawn into ``--png`` (default docs/scale.png; the numbers go to the
+same name with ``.json``, and ``--replot JSON`` redraws). On this 2-core machine
 every process shares two cores, so large worlds measure CPU contention as
 much as the protocol: read the slope as an upper bound.
 
@@ -24,6 +25,7 @@ much as the protocol: read the slope as an upper bound.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import pathlib
@@ -172,27 +174,33 @@ def recovery_time(world: int, step_delay_s: float) -> tuple[float, float | None]
 
 # ---------------------------------------------------------------- main
 
-def draw(path: pathlib.Path, worlds, first, reform, fit_first, fit_reform, recovery) -> None:
+def draw(path: pathlib.Path, data: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    worlds, first, reform = data["worlds"], data["first"], data["reform"]
+    recovery = {int(k): v for k, v in data.get("recovery", {}).items()}
+    a, b = fit(worlds, reform)
     panels = 2 if recovery else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.4 * panels, 3.9), squeeze=False)
     ax = axes[0][0]
     ax.plot(worlds, first, "o-", color="tab:blue", label="first ring (fresh processes)")
-    ax.plot(worlds, reform, "s-", color="tab:orange", label="re-form (median)")
-    for (a, b), color in ((fit_first, "tab:blue"), (fit_reform, "tab:orange")):
-        ax.plot(worlds, [a + b * w for w in worlds], ":", color=color, lw=1, label=f"fit: {b * 1e3:.1f} ms/rank")
-    ax.set(xlabel="ranks (processes on one 2-core VM)", ylabel="seconds", title="gloo ring formation, no Ray")
+    ax.plot(worlds, reform, "s-", color="tab:orange", label="re-form (median of 3)")
+    ax.plot(worlds, [a + b * w for w in worlds], ":", color="tab:orange", lw=1,
+            label=f"re-form fit: {a * 1e3:.0f} ms + {b * 1e3:.1f} ms/rank")
+    ax.set(xlabel="ranks (processes on one 2-core VM)", ylabel="seconds (log)", title="gloo ring formation, no Ray")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(worlds, [str(w) for w in worlds])
     ax.legend(fontsize=8)
     if recovery:
         rx = sorted(recovery)
+        ra, rb = fit(rx, [recovery[w] for w in rx])
         ax2 = axes[0][1]
-        ax2.plot(rx, [recovery[w] for w in rx], "o-", color="tab:green", label="kill → first step in new ring")
+        ax2.plot(rx, [recovery[w] for w in rx], "o-", color="tab:green", label="kill → first step in the new ring")
+        ax2.plot(rx, [ra + rb * w for w in rx], ":", color="tab:green", lw=1, label=f"fit: {rb * 1e3:.0f} ms/worker")
         ax2.set(xlabel="Ray workers (one SIGKILLed)", ylabel="seconds", title="recovery, ElasticTrainer")
         ax2.set_ylim(bottom=0)
         ax2.legend(fontsize=8)
@@ -208,7 +216,12 @@ def main() -> None:
     parser.add_argument("--step-delay-s", type=float, default=0.02)
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--png", default=str(ROOT / "docs" / "scale.png"))
+    parser.add_argument("--replot", metavar="JSON", help="only redraw --png from the numbers a previous run saved")
     args = parser.parse_args()
+    if args.replot:
+        draw(pathlib.Path(args.png), json.loads(pathlib.Path(args.replot).read_text()))
+        print(f"wrote {args.png}")
+        return
     if any(w < 2 for w in args.worlds + args.recovery_worlds):
         parser.error("world sizes must be >= 2")
 
@@ -240,8 +253,11 @@ def main() -> None:
             ray.shutdown()
         a, b = fit(list(recovery), list(recovery.values()))
         print(f"recovery slope: {b * 1e3:.1f} ms/worker (intercept {a:.3f} s)")
-    draw(pathlib.Path(args.png), args.worlds, first, reform, fit_first, fit_reform, recovery)
-    print(f"wrote {args.png}")
+    data = {"worlds": args.worlds, "first": first, "reform": reform, "recovery": recovery}
+    saved = pathlib.Path(args.png).with_suffix(".json")
+    saved.write_text(json.dumps(data, indent=1))
+    draw(pathlib.Path(args.png), data)
+    print(f"wrote {args.png} and {saved}")
 
 
 if __name__ == "__main__":

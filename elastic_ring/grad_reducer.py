@@ -11,23 +11,26 @@ contract:
   (:mod:`elastic_ring.grad_buckets`): no pack or unpack copy.
 * When a parameter's gradient has been accumulated ``backward_passes_per_step``
   times it is ready: it is moved into its view if autograd put it elsewhere
-  (``zero_grad(set_to_none=True)``), divided by the world size for an average
-  (in the same pass), and bucket *k* is launched as soon as it and every
-  bucket before it are ready, so all ranks launch buckets in the same order
-  while communication overlaps the rest of the backward pass.
+  (``zero_grad(set_to_none=True)``) and divided by the world size for an
+  average, in the same pass (small gradients together, once their bucket is
+  complete). Bucket *k* is launched as soon as it and every bucket before it
+  are ready, so all ranks launch buckets in the same order while
+  communication overlaps the rest of the backward pass.
 * :meth:`synchronize` launches what is left (a parameter without a gradient
   contributes zeros), waits for every bucket, and resets for the next step.
 * At the first gradient of every step, one 48-byte allreduce starts that
   checks that all ranks are at the same point with the same parameters and
   bucket plan, and at the same optimizer step (``applied_steps`` rides in it
-  as a transaction id); it also carries the autotuner's agreed numbers. It is
-  waited for just before the first bucket is launched (by then it has long
-  finished: the first bucket holds at least ``first_bucket_bytes`` of
-  gradients), so a mismatch raises :class:`TensorMismatchError` on every rank
-  before any bucket of a mismatched size is sent (gloo would abort the
-  process). On CUDA, after the first step of a ring, the verdict is read in
-  :meth:`synchronize` instead, where the step waits anyway, so the hooks never
-  block the host.
+  as a transaction id, compared in a reducer's first ring and in rings on
+  which it was re-based); it also carries the autotuner's agreed numbers. Its
+  answer is awaited on a helper thread (:mod:`elastic_ring.verdict`), so
+  backward never blocks on it; no bucket is sent before it is yes, and the
+  helper launches what became ready meanwhile. A mismatch therefore raises
+  :class:`TensorMismatchError` on every rank before any bucket of a
+  mismatched size is sent (gloo would abort the process). On CUDA, after the
+  first step of a ring, buckets go out at once and the verdict is read in
+  :meth:`synchronize`, where the step waits anyway, so the hooks never block
+  the host.
 * A :class:`CommError` anywhere drops everything in flight and the buckets,
   sets every parameter's ``.grad`` to None (a retried step starts from clean
   gradients) and is tagged ``live_state_consistent = True``: it was raised
