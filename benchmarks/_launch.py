@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import statistics
@@ -12,13 +13,26 @@ import torch.distributed as dist
 import elastic_ring as er
 
 
-def _main(fn, rank, world, port, args, queue):
+def new_secret() -> bytes | None:
+    """A job secret for RingSpec.auth_key where this version of elastic_ring has one (else None)."""
+    auth = getattr(er, "auth", None)
+    return auth.new_secret() if auth is not None else None
+
+
+def ring_spec(secret: bytes | None, **fields: Any) -> er.RingSpec:
+    """``er.RingSpec(**fields)``, with ``auth_key=secret`` where RingSpec takes one."""
+    if secret is not None and "auth_key" in {f.name for f in dataclasses.fields(er.RingSpec)}:
+        fields["auth_key"] = secret
+    return er.RingSpec(**fields)
+
+
+def _main(fn, rank, world, port, secret, args, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
-    er.init(er.RingSpec(round_id=1, rank=rank, world_size=world, node_ids=("localhost",) * world,
-                        store=er.StoreAddress("127.0.0.1", port), collective_timeout_s=600))
+    er.init(ring_spec(secret, round_id=1, rank=rank, world_size=world, node_ids=("localhost",) * world,
+                      store=er.StoreAddress("127.0.0.1", port), collective_timeout_s=600))
     try:
         queue.put((rank, fn(*args)))
     finally:
@@ -30,7 +44,8 @@ def run_ranks(fn: Callable, world: int, *args) -> list[Any]:
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_main, args=(fn, r, world, store.port, args, queue)) for r in range(world)]
+    secret = new_secret()
+    procs = [ctx.Process(target=_main, args=(fn, r, world, store.port, secret, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=1800) for _ in procs)

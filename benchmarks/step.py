@@ -1,103 +1,244 @@
-"""Training step throughput: elastic_ring.DistributedOptimizer vs torch DistributedDataParallel.
+"""Training step throughput: elastic_ring.DistributedOptimizer vs torch DistributedDataParallel, per workload.
 
-Both train the same MLP on the same data over gloo with the same world size,
-in the same processes: DDP uses the default process group, elastic_ring its
-own ring. Blocks of steps alternate between the two so that machine noise hits
-both alike. Prints the median step time of each and the throughput ratio
-DDP-time / ours (>= 1.0 means at least as fast as DDP). With ``--world 1`` the
-baseline is the plain, unwrapped torch optimizer instead of DDP, which shows
-what wrapping costs when there is nobody to talk to.
+Every row trains one workload over gloo in the same processes three ways:
+``DDP`` (torch's DistributedDataParallel, default settings except
+``broadcast_buffers=False``, since DistributedOptimizer does not sync
+BatchNorm buffers either), ``ours`` (DistributedOptimizer with its defaults:
+gradient bucket views, the 1 MiB first bucket, autotuning) and ``ours fixed``
+(the same with ``autotune=False``, 16 MiB buckets), and ``local``, the same
+model and optimizer without any communication, which is the floor: ``DDP /
+local`` is the most any data-parallel reducer could gain over DDP on that row.
+All start from the same weights and see the same data. Blocks of steps alternate between the three so
+that machine noise hits all alike; ours is first warmed up until its
+autotuner has chosen. For each block the throughput ratio is DDP's median
+step time / ours; a row's ratio is the median over blocks (>= 1.0: at least
+as fast as DDP). A second table splits the median step into forward,
+backward (DDP waits for its allreduces at the end of backward) and
+``step()`` (ours waits for its buckets there), which is what explains a row.
 
-    python -m benchmarks.step [--world 2] [--width 1024] [--depth 4] [--batch 64] [--steps 20] [--blocks 4]
+    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3]
+
+A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optimizer instead of DDP: the cost of wrapping.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from benchmarks._launch import median_ms, run_ranks
+from benchmarks._launch import run_ranks
 
 
-def make_model(width: int, depth: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(256, width), torch.nn.ReLU()]
-    for _ in range(depth - 1):
+def mlp(depth: int, width: int) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(width, 10))
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
 
 
-def _bench(width: int, depth: int, batch: int, steps: int, blocks: int, port: int, bucket_bytes: int | None) -> dict[str, list[float]]:
+class _Block(torch.nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(cout)
+        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(cout)
+        self.shortcut = torch.nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False), torch.nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def resnet18(width: int) -> torch.nn.Module:
+    """ResNet-18 for 32x32 inputs (CIFAR layout: 3x3 stem, no max-pool), ``width`` channels in its first stage."""
+    layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, width, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+    cin = width
+    for cout, stride in ((width, 1), (2 * width, 2), (4 * width, 2), (8 * width, 2)):
+        layers += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
+        cin = cout
+    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(cin, 10))
+
+
+@dataclass(frozen=True)
+class Workload:
+    label: str
+    make: Callable[[], torch.nn.Module]
+    input_shape: tuple[int, ...]
+    batch: int
+
+
+WORKLOADS = {
+    "mlp4x1024": Workload("MLP 4x1024", lambda: mlp(4, 1024), (1024,), 64),
+    "mlp10x2048": Workload("MLP 10x2048", lambda: mlp(10, 2048), (2048,), 64),
+    "resnet18": Workload("ResNet-18-like (width 32), 32x32", lambda: resnet18(32), (3, 32, 32), 32),
+}
+DEFAULT_ROWS = ["mlp4x1024@2", "mlp4x1024@3", "mlp10x2048@2", "resnet18@2"]
+PHASES = ("forward", "backward", "step")
+
+
+def _model(workload: Workload) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return workload.make()
+
+
+def _train(model, opt, data, loss_fn, n, phases=None):
+    """``n`` steps; batches continue where this model's previous call stopped (``opt.batches_seen``)."""
+    times = []
+    start = getattr(opt, "batches_seen", 0)
+    opt.batches_seen = start + n
+    for i in range(start, start + n):
+        x, y = data[i % len(data)]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        if phases is not None:
+            for name, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                phases[name].append(seconds)
+    return times
+
+
+def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None) -> dict:
+    workload = WORKLOADS[name]
     rank, world = er.rank(), er.size()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp/", store), rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"ddp/{name}/{world}/", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     g = torch.Generator().manual_seed(rank)
-    data = [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(8)]
+    data = [(torch.randn(workload.batch, *workload.input_shape, generator=g), torch.randint(0, 10, (workload.batch,), generator=g))
+            for _ in range(8)]
     loss_fn = torch.nn.CrossEntropyLoss()
+    sgd = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
 
-    baseline = make_model(width, depth)
-    ddp_model = torch.nn.parallel.DistributedDataParallel(baseline) if world > 1 else baseline
-    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
-    our_model = make_model(width, depth)
-    kwargs = {} if bucket_bytes is None else {"fusion_threshold_bytes": bucket_bytes}
-    our_opt = er.DistributedOptimizer(torch.optim.SGD(our_model.parameters(), lr=0.01, momentum=0.9),
-                                      our_model.named_parameters(), **kwargs)
-
-    def train(model, opt, n):
-        times = []
-        for i in range(n):
-            x, y = data[i % len(data)]
-            started = time.perf_counter()
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
-            times.append(time.perf_counter() - started)
-        return times
-
-    results: dict[str, list[float]] = {"ddp": [], "elastic_ring": []}
-    train(ddp_model, ddp_opt, 3)
-    train(our_model, our_opt, 3)
+    baseline = _model(workload)
+    if world > 1:
+        with warnings.catch_warnings():  # torch 2.13 renames broadcast_buffers; False keeps its meaning here
+            warnings.simplefilter("ignore", FutureWarning)
+            ddp = torch.nn.parallel.DistributedDataParallel(baseline, broadcast_buffers=False,
+                                                            gradient_as_bucket_view=ddp_bucket_view)
+    else:
+        ddp = baseline
+    ours_model, fixed_model, local_model = _model(workload), _model(workload), _model(workload)
+    methods = {
+        "ddp": (ddp, sgd(ddp.parameters())),
+        "ours": (ours_model, er.DistributedOptimizer(sgd(ours_model.parameters()), ours_model.named_parameters())),
+        "fixed": (fixed_model, er.DistributedOptimizer(sgd(fixed_model.parameters()), fixed_model.named_parameters(),
+                                                       autotune=False, first_bucket_bytes=fixed_first)),
+        "local": (local_model, sgd(local_model.parameters())),
+    }
+    ours_opt = methods["ours"][1]
+    warmup = 0
+    while ours_opt.autotune_result is None and warmup < max_warmup and world > 1:
+        warmup += len(_train(*methods["ours"], data, loss_fn, 1))
+    _train(*methods["ours"], data, loss_fn, 2)
+    for key in ("ddp", "fixed", "local"):  # the same number of steps on every model, so their parameters can be compared
+        _train(*methods[key], data, loss_fn, warmup + 2)
+    times: dict[str, list[list[float]]] = {k: [] for k in methods}
+    phases: dict[str, dict[str, list[float]]] = {k: {p: [] for p in PHASES} for k in methods}
     for _ in range(blocks):
-        er.barrier()
-        results["ddp"] += train(ddp_model, ddp_opt, steps)
-        er.barrier()
-        results["elastic_ring"] += train(our_model, our_opt, steps)
-    # same data, same start: both must have learned the same parameters
-    diff = max((a - b).abs().max().item() for a, b in zip(baseline.parameters(), our_model.parameters()))
-    results["max_param_diff"] = [diff]
+        for key, (model, opt) in methods.items():
+            er.barrier()
+            times[key].append(_train(model, opt, data, loss_fn, steps, phases[key]))
+    diff = max(max((a - b).abs().max().item() for a, b in zip(baseline.parameters(), m.parameters()))
+               for m in (ours_model, fixed_model))
     dist.destroy_process_group()
-    return results
+    result = ours_opt.autotune_result
+    return {
+        "times": times,
+        "phases": {k: {p: statistics.median(v) for p, v in ph.items()} for k, ph in phases.items()},
+        "max_param_diff": diff,
+        "chosen": None if result is None else result.chosen_bytes,
+        "tuning": None if result is None else list(zip(result.candidates, result.step_ms)),
+        "warmup_steps": warmup,
+        "check_wait_ms": ours_opt._er_reducer.check_wait_s * 1e3 / max(1, ours_opt._er_reducer._ring_steps),
+        "first_delay_ms": ours_opt._er_reducer.first_bucket_delay_s * 1e3 / max(1, ours_opt._er_reducer._ring_steps),
+    }
+
+
+def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None) -> dict:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = run_ranks(_bench, world, name, steps, blocks, store.port, ddp_bucket_view, max_warmup, fixed_first)
+    r0 = results[0]
+    ddp_blocks, ours_blocks, fixed_blocks, local_blocks = (r0["times"][k] for k in ("ddp", "ours", "fixed", "local"))
+    ratios = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, ours_blocks)]
+    fixed_ratios = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, fixed_blocks)]
+    bound = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, local_blocks)]
+    flat = lambda blocks_: statistics.median([t for b in blocks_ for t in b]) * 1e3  # noqa: E731
+    params = sum(p.numel() for p in _model(WORKLOADS[name]).parameters())
+    return {"name": name, "world": world, "mib": params * 4 / 2**20, "ddp_ms": flat(ddp_blocks), "ours_ms": flat(ours_blocks),
+            "fixed_ms": flat(fixed_blocks), "local_ms": flat(local_blocks), "bound": statistics.median(bound),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "fixed_ratio": statistics.median(fixed_ratios), "chosen": r0["chosen"],
+            "tuning": r0["tuning"], "warmup": r0["warmup_steps"], "diff": max(r["max_param_diff"] for r in results),
+            "phases": r0["phases"], "check_wait_ms": max(r["check_wait_ms"] for r in results),
+            "first_delay_ms": max(r["first_delay_ms"] for r in results)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--bucket-mib", type=float, default=None, help="DistributedOptimizer fusion_threshold_bytes in MiB (default: the library's)")
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="WORKLOAD@WORLD, workloads: " + ", ".join(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=3, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=15, help="blocks per method, alternating")
+    parser.add_argument("--max-warmup", type=int, default=60, help="most steps to wait for the autotuner before measuring")
+    parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
+    parser.add_argument("--fixed-first-mib", type=float, default=None,
+                        help="first_bucket_bytes of the 'ours fixed' column in MiB (default: the library's, 1 MiB; 0: none)")
     args = parser.parse_args()
-    params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    bucket = None if args.bucket_mib is None else int(args.bucket_mib * 2**20)
-    results = run_ranks(_bench, args.world, args.width, args.depth, args.batch, args.steps, args.blocks, store.port, bucket)
-    ddp, ours = median_ms(results[0]["ddp"]), median_ms(results[0]["elastic_ring"])
-    print(f"MLP {args.depth}x{args.width} ({params / 1e6:.1f} M parameters, {params * 4 / 2**20:.0f} MiB of gradients), "
-          f"batch {args.batch}/rank, world {args.world}, gloo, {args.blocks}x{args.steps} steps each, interleaved, "
-          f"optimizer buckets {'default' if bucket is None else f'{args.bucket_mib} MiB'}")
-    base = "DDP" if args.world > 1 else "plain optimizer"
-    print(f"median step: {base} {ddp:.1f} ms, elastic_ring {ours:.1f} ms; "
-          f"throughput ratio ({base} time / ours) {ddp / ours:.3f}")
-    print(f"max |param difference| after identical training: {max(r['max_param_diff'][0] for r in results):.2e}")
+    rows = []
+    for spec in args.rows:
+        name, _, world = spec.partition("@")
+        if name not in WORKLOADS or not world.isdigit() or int(world) < 1:
+            parser.error(f"--rows {spec!r}: use WORKLOAD@WORLD with WORKLOAD one of {', '.join(WORKLOADS)}")
+        fixed_first = None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20)
+        rows.append(_row(name, int(world), args.steps, args.blocks, args.ddp_bucket_view, args.max_warmup, fixed_first))
+        print_tables(rows, args, partial=True)
+    print_tables(rows, args, partial=False)
+
+
+def print_tables(rows: list[dict], args, partial: bool) -> None:
+    if partial:
+        r = rows[-1]
+        print(f"... {r['name']}@{r['world']}: ratio {r['ratio']:.3f} (blocks {r['ratio_min']:.2f}-{r['ratio_max']:.2f}), "
+              f"fixed {r['fixed_ratio']:.3f}, autotune {r['tuning']}", flush=True)
+        return
+    first = "1 MiB (default)" if args.fixed_first_mib is None else f"{args.fixed_first_mib:g} MiB"
+    print(f"\ngloo, {torch.get_num_threads()} threads available, 1 compute thread per rank, {args.blocks} blocks x "
+          f"{args.steps} steps per method, interleaved; DDP gradient_as_bucket_view={args.ddp_bucket_view}; "
+          f"'fixed' = autotune off, 16 MiB buckets, first bucket {first}")
+    print(f"{'workload':<34} {'world':>5} {'grads MiB':>9} {'DDP ms':>8} {'ours ms':>8} {'ours/DDP thr':>12} "
+          f"{'blocks':>11} {'fixed 16MiB':>11} {'autotuned':>9} {'max|dp|':>8} {'local ms':>8} {'DDP/local':>9}")
+    for r in rows:
+        chosen = "-" if r["chosen"] is None else f"{r['chosen'] / 2**20:g} MiB"
+        print(f"{WORKLOADS[r['name']].label:<34} {r['world']:>5} {r['mib']:>9.1f} {r['ddp_ms']:>8.1f} {r['ours_ms']:>8.1f} "
+              f"{r['ratio']:>11.3f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['fixed_ratio']:>10.3f}x {chosen:>9} "
+              f"{r['diff']:>8.1e} {r['local_ms']:>8.1f} {r['bound']:>8.3f}x")
+    ratios = [r["ratio"] for r in rows]
+    print(f"median over rows: {statistics.median(ratios):.3f}x; lowest row {min(ratios):.3f}x")
+    print("DDP/local: how much faster than DDP a step with no communication at all is (the most any reducer could gain)")
+    print("\nmedian phase times (ms): forward / backward / step()  -- DDP waits in backward, ours in step()")
+    for r in rows:
+        ph = r["phases"]
+        cells = "   ".join(f"{k}: " + " / ".join(f"{ph[k][p] * 1e3:.1f}" for p in PHASES) for k in ("ddp", "ours", "fixed", "local"))
+        total = {k: sum(ph[k].values()) * 1e3 for k in ph}
+        print(f"{r['name']}@{r['world']:<3} {cells}   (sums {total['ddp']:.1f} / {total['ours']:.1f} / {total['fixed']:.1f} / {total['local']:.1f}); "
+              f"per step: ready first bucket waited for the check {r['first_delay_ms']:.2f} ms, step() waited for it {r['check_wait_ms']:.2f} ms (worst rank); autotune (bytes, ms): {r['tuning']}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ Every function here:
 
 Grouped collectives fuse their tensors into buffers of at most
 ``fusion_threshold_bytes`` (see :mod:`elastic_ring.fusion`), launch each
-buffer's collective as soon as it is packed, and unpack in order.
+buffer's collective as soon as it is packed, and unpack in order. A single
+contiguous tensor already in the wire dtype is reduced in place, with no
+buffer. An average in a low-precision wire dtype is divided while it is cast,
+so it overflows only if the average itself does. The in-place collectives
+reuse fusion buffers from a bounded pool that belongs to the current ring
+(emptied when another ring uses it, when its ring is garbage-collected, or by
+:func:`release_buffers`).
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ import torch
 from . import fusion, runtime
 from .communicator import Communicator
 from .compression import Compression, Compressor, check_compressor
-from .constants import FUSION_THRESHOLD_BYTES
+from .constants import FUSION_POOL_MAX_BYTES, FUSION_THRESHOLD_BYTES
 from .ops import Average, ReduceOp
 from .signature import describe, verify_same
 
-#: Fusion buffers of the in-place collectives, reused across calls.
-_POOL = fusion.BufferPool()
+#: Fusion buffers of the in-place collectives, reused across calls of one ring.
+_POOL = fusion.BufferPool(FUSION_POOL_MAX_BYTES)
+
+
+def release_buffers() -> None:
+    """Free the pooled fusion buffers (the runtime calls this when it tears a ring down)."""
+    _POOL.clear()
 
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64)
 
@@ -77,13 +88,17 @@ def _fused_allreduce(
         direct = (
             inplace and len(bucket.indices) == 1 and first.dtype == bucket.wire_dtype and first.is_contiguous()
         )
-        # In place, results are copied out, so pooled buffers can be reused;
-        # otherwise the results are views of the buffer and it must be new.
-        target = _POOL.acquire(bucket, slot) if inplace else fusion.allocate(bucket)
-        buffer = first.view(-1) if direct else fusion.pack(bucket, tensors, target)
         prescale = op is ReduceOp.AVERAGE and fusion.needs_prescale(bucket.wire_dtype)
-        if prescale:
-            buffer.mul_(1.0 / size)
+        divisor = size if prescale else None
+        if direct:  # reduced in place: no buffer at all
+            buffer = first.view(-1)
+            if divisor is not None:
+                buffer.div_(divisor)
+        else:
+            # In place, results are copied out, so pooled buffers can be reused;
+            # otherwise the results are views of the buffer and it must be new.
+            target = _POOL.acquire(bucket, slot, owner=comm) if inplace else fusion.allocate(bucket)
+            buffer = fusion.pack(bucket, tensors, target, divisor)
         work = comm.allreduce(buffer, base_op, timeout_s)
         in_flight.append((bucket, buffer, work, direct, prescale))
     results: list[torch.Tensor | None] = [None] * len(tensors)
@@ -197,7 +212,7 @@ def grouped_broadcast_(
     for slot, bucket in enumerate(buckets):
         first = wires[bucket.indices[0]]
         direct = len(bucket.indices) == 1 and first.is_contiguous()
-        buffer = first.view(-1) if direct else _POOL.acquire(bucket, slot)
+        buffer = first.view(-1) if direct else _POOL.acquire(bucket, slot, owner=comm)
         if not direct and comm.rank == root_rank:
             fusion.pack(bucket, wires, buffer)
         in_flight.append((bucket, buffer, direct, comm.broadcast(buffer, root_rank, timeout_s)))

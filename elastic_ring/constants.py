@@ -32,15 +32,51 @@ def _env_int(name: str, default: int) -> int:
     return int(value)
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} is not a boolean; use 1 or 0")
+
+
 #: Largest fusion buffer: tensors are packed into buffers of at most this many
 #: bytes, one allreduce per buffer (Horovod's HOROVOD_FUSION_THRESHOLD).
 FUSION_THRESHOLD_BYTES: int = _env_int("ELASTIC_RING_FUSION_THRESHOLD_BYTES", 64 * MIB)
 
-#: Default bucket size of DistributedOptimizer's gradient buckets. Smaller than
-#: the fusion threshold so that the first buckets are reduced while backward is
-#: still running: on a 50 MiB MLP, benchmarks/step.py measured 0.91-0.99x DDP's
-#: throughput with 64 MiB buckets (no overlap) and 1.05-1.10x with 16 MiB.
+#: Most bytes the collectives' reusable fusion buffers may hold (beyond it, a
+#: call's buffer is freed after the call). The pool is emptied when its ring goes.
+FUSION_POOL_MAX_BYTES: int = _env_int("ELASTIC_RING_FUSION_POOL_MAX_BYTES", 256 * MIB)
+
+#: Default bucket size of DistributedOptimizer's gradient buckets, and the
+#: autotuner's baseline (see docs/performance.md for the measurements).
 OPTIMIZER_BUCKET_BYTES: int = _env_int("ELASTIC_RING_OPTIMIZER_BUCKET_BYTES", 16 * MIB)
+
+#: DistributedOptimizer's first bucket closes once it holds this many bytes, so
+#: the first allreduce starts early in backward (DDP's first bucket is 1 MiB).
+FIRST_BUCKET_BYTES: int = _env_int("ELASTIC_RING_FIRST_BUCKET_BYTES", 1 * MIB)
+
+#: Gradients smaller than this are moved into their bucket views together when their bucket is
+#: complete (one batched copy and division); larger ones in their own hook, while backward goes on.
+GRAD_BATCH_BELOW_BYTES: int = _env_int("ELASTIC_RING_GRAD_BATCH_BELOW_BYTES", 256 * 1024)
+
+#: Whether DistributedOptimizer tunes its bucket size during the first steps of
+#: every ring when the caller did not fix ``fusion_threshold_bytes``.
+AUTOTUNE: bool = _env_bool("ELASTIC_RING_AUTOTUNE", True)
+
+#: Bucket sizes the autotuner tries (sizes that give the same buckets as an
+#: earlier one are skipped), and how many steps it spends on each: the first
+#: ``AUTOTUNE_WARMUP_STEPS`` are not measured, the median of the next
+#: ``AUTOTUNE_SAMPLE_STEPS`` step times (the slowest rank's) is the score.
+AUTOTUNE_CANDIDATE_BYTES: tuple[int, ...] = (4 * MIB, 16 * MIB, 64 * MIB)
+AUTOTUNE_WARMUP_STEPS: int = _env_int("ELASTIC_RING_AUTOTUNE_WARMUP_STEPS", 2)
+AUTOTUNE_SAMPLE_STEPS: int = _env_int("ELASTIC_RING_AUTOTUNE_SAMPLE_STEPS", 5)
+
+#: The autotuner keeps the default bucket size unless another is faster by more than this fraction.
+AUTOTUNE_MARGIN: float = _env_float("ELASTIC_RING_AUTOTUNE_MARGIN", 0.03)
 
 #: How long any collective may take before the survivors raise CommError.
 COLLECTIVE_TIMEOUT_S: float = _env_float("ELASTIC_RING_COLLECTIVE_TIMEOUT_S", 60.0)

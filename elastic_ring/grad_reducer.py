@@ -1,47 +1,72 @@
-"""Overlapped, fused allreduce of gradients during the backward pass.
+"""Overlapped allreduce of gradients that live in their fusion buckets.
 
 The reducer owns the hooks that :class:`DistributedOptimizer` registers. Its
 contract:
 
-* Parameters are bucketed once, in reverse registration order (the order in
-  which backward usually produces their gradients), by
-  :func:`elastic_ring.fusion.plan_buckets`.
+* Parameters are bucketed in reverse registration order (the order in which
+  backward usually produces their gradients) by
+  :func:`elastic_ring.fusion.plan_buckets`, with an early first bucket
+  (``first_bucket_bytes``) so the first allreduce starts early in backward.
+  Each parameter's ``.grad`` becomes a view of its bucket
+  (:mod:`elastic_ring.grad_buckets`): no pack or unpack copy.
 * When a parameter's gradient has been accumulated ``backward_passes_per_step``
-  times, it is ready. Bucket *k* is launched (packed, prescaled if needed, and
-  handed to the communicator asynchronously) as soon as it and every bucket
-  before it are ready, so all ranks launch buckets in the same order while
+  times it is ready: it is moved into its view if autograd put it elsewhere
+  (``zero_grad(set_to_none=True)``) and divided by the world size for an
+  average, in the same pass (small gradients together, once their bucket is
+  complete). Bucket *k* is launched as soon as it and every bucket before it
+  are ready, so all ranks launch buckets in the same order while
   communication overlaps the rest of the backward pass.
 * :meth:`synchronize` launches what is left (a parameter without a gradient
-  contributes zeros), waits for every bucket, unpacks the averaged gradients
-  into ``.grad`` and resets for the next step.
-* At the first gradient of every step, one 48-byte allreduce is started that
-  checks that all ranks are at the same point and hold the same parameters
-  (names, dtypes, shapes); it is waited for just before the first bucket is
-  launched, so backward keeps running meanwhile. Different models, or a collective that only some ranks call between
-  steps, then fail on every rank with :class:`TensorMismatchError` instead of
-  pairing a 48-byte message with a gradient bucket, which makes gloo abort the
-  process ("Received data size doesn't match expected size").
-* A :class:`CommError` anywhere drops everything in flight, so the step can be
-  retried on the next round after a rollback. At world size 1 the hooks return
-  at once and nothing is copied.
+  contributes zeros), waits for every bucket, and resets for the next step.
+* At the first gradient of every step, one 48-byte allreduce starts that
+  checks that all ranks are at the same point with the same parameters and
+  bucket plan, and at the same optimizer step (``applied_steps`` rides in it
+  as a transaction id, compared in a reducer's first ring and in rings on
+  which it was re-based); it also carries the autotuner's agreed numbers. Its
+  answer is awaited on a helper thread (:mod:`elastic_ring.verdict`), so
+  backward never blocks on it; no bucket is sent before it is yes, and the
+  helper launches what became ready meanwhile. A mismatch therefore raises
+  :class:`TensorMismatchError` on every rank before any bucket of a
+  mismatched size is sent (gloo would abort the process). On CUDA, after the
+  first step of a ring, buckets go out at once and the verdict is read in
+  :meth:`synchronize`, where the step waits anyway, so the hooks never block
+  the host.
+* A :class:`CommError` anywhere drops everything in flight and the buckets,
+  sets every parameter's ``.grad`` to None (a retried step starts from clean
+  gradients) and is tagged ``live_state_consistent = True``: it was raised
+  before the wrapped optimizer applied anything. At world size 1 the hooks
+  return at once and nothing is copied.
+* A new ring gets new buckets (and, with autotuning, a new tuning run).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from typing import Sequence
 
 import torch
 
-from . import fusion, runtime
+from . import constants, fusion, runtime, timeline
+from .autotune import AutotuneResult, Autotuner, distinct_candidates
 from .communicator import Communicator, Work
 from .compression import Compressor
-from .errors import CommError
+from .errors import CommError, TensorMismatchError
+from .grad_buckets import GradLayout
+from .log import get_logger
 from .ops import ReduceOp
-from .signature import PendingCheck, describe, start_check
+from .signature import PendingCheck, describe, signature_hash, start_check
+from .verdict import VerdictWaiter
+
+_log = get_logger(__name__)
 
 
 class GradReducer:
+    #: Read the check's verdict in synchronize() instead of before the first bucket. On by itself
+    #: on CUDA after a ring's first step; tests set it to exercise that path over gloo.
+    defer_check_on_cpu = False
+
     def __init__(
         self,
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
@@ -49,48 +74,121 @@ class GradReducer:
         compressor: Compressor,
         bucket_bytes: int,
         backward_passes_per_step: int,
+        first_bucket_bytes: int = 0,
+        autotune: bool = False,
     ) -> None:
         ordered = list(reversed(named_params))
         self._names = [n for n, _ in ordered]
         self._params = [p for _, p in ordered]
         self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._metas = [(p.numel(), p.dtype, p.device) for p in self._params]
+        self._nbytes = [p.numel() * p.element_size() for p in self._params]
         self._op = op
         self._compressor = compressor
         self._passes = backward_passes_per_step
-        self.buckets = fusion.plan_buckets(
-            [(p.numel(), p.dtype, p.device) for p in self._params], bucket_bytes, compressor
-        )
+        self._first_bytes = first_bucket_bytes
+        self._default_bytes = bucket_bytes
+        self._autotune = autotune
+        self._tuner: Autotuner | None = None
+        self.autotune_result: AutotuneResult | None = None
+        self.applied_steps = 0
+        self._step_armed = True
+        self._armed_ref: weakref.ref | None = None
+        self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
+        self._lock = threading.RLock()
+        self._comm_ref: weakref.ref | None = None
+        self._on_cpu = True
+        self._layout: GradLayout | None = None
+        self._ring_steps = 0
+        self._last_step_end: float | None = None
+        self.check_wait_s = 0.0  # total time the training thread waited for checks
+        self.first_bucket_delay_s = 0.0  # total time ready first buckets waited for their step's verdict
+        self._use_plan(bucket_bytes)
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    # ------------------------------------------------------------ plan and state
+    def _plan(self, bucket_bytes: int) -> list[fusion.Bucket]:
+        return fusion.plan_buckets(self._metas, bucket_bytes, self._compressor, self._first_bytes, split_source_dtypes=True)
+
+    def _use_plan(self, bucket_bytes: int) -> None:
+        """Switch to the buckets of ``bucket_bytes``; their buffers are made at the next gradient."""
+        self.bucket_bytes = bucket_bytes
+        self.buckets = self._plan(bucket_bytes)
         self._bucket_of = [0] * len(self._params)
         for b, bucket in enumerate(self.buckets):
             for i in bucket.indices:
                 self._bucket_of[i] = b
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._lock = threading.RLock()
-        self._comm: Communicator | None = None
-        self._kind = (f"DistributedOptimizer step (op={op.value}, compression={compressor.name}, "
-                      f"backward_passes_per_step={backward_passes_per_step})")
-        self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
-        self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._layout = None
+        self._kind = (f"DistributedOptimizer step (op={self._op.value}, compression={self._compressor.name}, "
+                      f"backward_passes_per_step={self._passes}, fusion_threshold_bytes={bucket_bytes}, "
+                      f"first_bucket_bytes={self._first_bytes}, {len(self.buckets)} buckets)")
+        self._digest = signature_hash(self._kind, self._entries)
 
-    # ------------------------------------------------------------ state
     def _reset(self) -> None:
         self._check: PendingCheck | None = None
+        self._verdict: VerdictWaiter | None = None
+        self._gated_since: float | None = None
         self._verified = False
         self._remaining = [self._passes] * len(self._params)
         self._ready = [0] * len(self.buckets)
+        self._small: list[list[int]] = [[] for _ in self.buckets]  # ready small gradients not yet in their views
         self._next = 0
-        self._in_flight: list[tuple[int, torch.Tensor, Work, bool]] = []
+        self._in_flight: list[tuple[int, Work]] = []
 
     @property
     def pending(self) -> bool:
         """True between the first ready gradient of a step and its synchronize()."""
         return bool(self._in_flight) or any(r != self._passes for r in self._remaining)
 
+    def set_applied_steps(self, n: int) -> None:
+        """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
+        restore): from now on this ring compares it in every step's check."""
+        self.applied_steps = n
+        comm = runtime.current_or_none()
+        self._armed_ref = weakref.ref(comm) if comm is not None else None
+        if comm is not None and self._comm_ref is not None and self._comm_ref() is comm:
+            self._step_armed = True
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def _bind(self, comm: Communicator) -> None:
+        """Start using ``comm``: on a new ring, drop what was in flight, new buckets, tune again."""
+        if self._comm_ref is not None and self._comm_ref() is comm:
+            return
+        self._reset()
+        # applied_steps is compared across ranks in a reducer's first ring (every rank starts at 0) and
+        # in a ring on which the state layer re-based it (set_applied_steps after a sync or a restore)
+        self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
+        self._comm_ref = weakref.ref(comm)
+        self._on_cpu = comm.device.type == "cpu"
+        self._ring_steps = 0
+        self._last_step_end = None
+        self._tuner = None
+        size = self._default_bytes
+        if self._autotune:
+            candidates = distinct_candidates(constants.AUTOTUNE_CANDIDATE_BYTES, self._default_bytes,
+                                             lambda s: tuple(b.indices for b in self._plan(s)))
+            self._tuner = Autotuner(candidates, self._default_bytes, constants.AUTOTUNE_WARMUP_STEPS,
+                                    constants.AUTOTUNE_SAMPLE_STEPS, constants.AUTOTUNE_MARGIN)
+            size = self._tuner.current
+            self._record_tuning()
+        self._use_plan(size)
+        self._reset()
+
+    def _layout_for_step(self) -> GradLayout:
+        if self._layout is None:
+            self._layout = GradLayout(self._params, self.buckets)
+        return self._layout
+
+    def _deferred(self, comm: Communicator) -> bool:
+        """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
+        if self._ring_steps == 0:
+            return False  # a ring's first step checks first: different models fail with a full message
+        return not self._on_cpu or self.defer_check_on_cpu
 
     # ------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -98,74 +196,127 @@ class GradReducer:
         if comm is None or comm.size == 1:
             return
         with self._lock:
-            self._bind(comm)
-            self._start_check(comm)
-            i = self._position[id(param)]
-            self._remaining[i] -= 1
-            if self._remaining[i] < 0:
-                raise RuntimeError(
-                    f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
-                    f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
-                    "or call step() after every backward pass"
-                )
-            if self._remaining[i] == 0:
-                self._ready[self._bucket_of[i]] += 1
-                self._launch_ready(comm)
-
-    def _bind(self, comm: Communicator) -> None:
-        """Start using ``comm``: drop anything in flight on an older round."""
-        if comm is not self._comm:
-            self._reset()
-            self._comm = comm
-
-    def _start_check(self, comm: Communicator) -> None:
-        """Once per step, at its first gradient: ask whether all ranks are here with the same model."""
-        if self._check is None and not self._verified:
             try:
-                self._check = start_check(comm, self._kind, self._entries, None)
-            except CommError:
-                self._reset()
+                self._bind(comm)
+                self._raise_if_verdict_failed()
+                self._start_check(comm, helper=self._on_cpu and not self._deferred(comm))
+                i = self._position[id(param)]
+                self._remaining[i] -= 1
+                if self._remaining[i] < 0:
+                    raise RuntimeError(
+                        f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
+                        f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
+                        "or call step() after every backward pass"
+                    )
+                if self._remaining[i] == 0:
+                    self._ready_one(i, comm)
+                    self._launch_ready(comm)
+            except CommError as exc:
+                self._on_comm_error(exc)
                 raise
 
-    def _finish_check(self) -> None:
-        """Before the step's first launch: the answer must be yes."""
+    def _start_check(self, comm: Communicator, helper: bool) -> None:
+        """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the
+        same step. With ``helper``, the answer is awaited on a helper thread (backward goes on meanwhile)."""
+        if self._check is not None or self._verified or self._verdict is not None:
+            return
+        value = self._tuner.outgoing() if self._tuner is not None else 0
+        step = self.applied_steps if self._step_armed else None
+        check = start_check(comm, self._kind, self._entries, None, values=[value], step=step, digest=self._digest,
+                            step_slots=True)
+        if helper:
+            self._verdict = VerdictWaiter(check, lambda waiter, values: self._on_verdict(comm, waiter, values),
+                                          comm.spec.collective_timeout_s + 10.0)
+        else:
+            self._check = check
+
+    def _on_verdict(self, comm: Communicator, waiter: VerdictWaiter, values: list[int]) -> None:
+        """On the helper thread, once every rank said yes: launch what became ready meanwhile."""
+        with self._lock:
+            if self._verdict is not waiter:  # this step was abandoned (a failure, a new ring)
+                return
+            self._accept(values[0])
+            self._launch_ready(comm)
+
+    def _accept(self, value: int) -> None:
+        self._verified = True
+        if self._tuner is not None:
+            self._tuner.incoming(value)
+
+    def _raise_if_verdict_failed(self) -> None:
+        """Raise, on the training thread, what the helper thread met (nothing was sent before its answer)."""
+        waiter = self._verdict
+        if waiter is None or not waiter.done or waiter.error is None:
+            return
+        self._reset()
+        raise waiter.error
+
+    def _finish_check(self, comm: Communicator) -> None:
+        """The verdict must be yes before data that depends on it moves (deferred: before the step's results are used)."""
         if self._verified:
             return
         check, self._check = self._check, None
+        assert check is not None, "a step's check is started before its first launch"
+        deferred = bool(self._in_flight)
+        started = time.perf_counter()
         try:
-            check.finish()  # type: ignore[union-attr]
-        except Exception:
-            self._reset()
+            (value,) = check.finish(exchange=not deferred)
+        except TensorMismatchError:
+            self._after_mismatch(comm, check)
             raise
-        self._verified = True
+        self.check_wait_s += time.perf_counter() - started
+        self._accept(value)
+
+    def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
+        """Buckets launched before a deferred verdict may not match the peers' (a different model, an
+        extra collective). If only the steps differ the buckets matched: drain them, then swap
+        descriptions so every rank's message lists every rank's step. Otherwise abort the ring."""
+        in_flight = self._in_flight
+        self._reset()
+        if not in_flight:
+            return
+        if check.same_call:
+            for _, work in in_flight:
+                work.wait()
+            raise TensorMismatchError(check.exchange_message()) from None
+        self._layout = None
+        comm.abort()
+
+    def _ready_one(self, i: int, comm: Communicator) -> None:
+        """Parameter ``i``'s gradient is final for this step: move it into its view (a large one now,
+        small ones together once their bucket is complete) and count it."""
+        b = self._bucket_of[i]
+        layout = self._layout_for_step()
+        divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is layout.buffers[b] else None
+        if self._nbytes[i] >= constants.GRAD_BATCH_BELOW_BYTES:
+            layout.adopt(i, self._params[i], divisor)
+        else:
+            self._small[b].append(i)
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b].indices) and self._small[b]:
+            layout.adopt_many(self._small[b], self._params, divisor)
+            self._small[b] = []
 
     def _launch_ready(self, comm: Communicator) -> None:
+        """Launch, in order, every bucket that is ready and allowed to go."""
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].indices):
+            if not self._verified and not self._deferred(comm):
+                if self._verdict is not None:  # the helper launches it once the answer is in
+                    if self._gated_since is None:
+                        self._gated_since = time.perf_counter()
+                    return
+                self._finish_check(comm)
             self._launch(comm, self._next)
             self._next += 1
 
     def _launch(self, comm: Communicator, b: int) -> None:
-        self._finish_check()
-        bucket = self.buckets[b]
-        buffer = self._buffers[b]
-        if buffer is None:
-            buffer = self._buffers[b] = fusion.allocate(bucket)
-        grads = self._grads()
-        prescale = self._op is ReduceOp.AVERAGE and fusion.needs_prescale(bucket.wire_dtype)
+        if self._gated_since is not None:
+            self.first_bucket_delay_s += time.perf_counter() - self._gated_since
+            self._gated_since = None
+        layout = self._layout_for_step()
         base_op = ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
-        with torch.no_grad():
-            fusion.pack(bucket, grads, buffer)
-            if prescale:
-                buffer.mul_(1.0 / comm.size)
-        try:
-            work = comm.allreduce(buffer, base_op)
-        except CommError:
-            self._reset()
-            raise
-        self._in_flight.append((b, buffer, work, prescale))
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params]  # type: ignore[misc]
+        cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is not layout.buffers[b] else None
+        self._in_flight.append((b, layout.launch(b, comm, base_op, cast_divisor)))
 
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
@@ -174,22 +325,69 @@ class GradReducer:
         if comm.size == 1:
             self._reset()
             return
-        with self._lock:
-            self._bind(comm)
-            self._start_check(comm)
-            for p in self._params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            while self._next < len(self.buckets):
-                self._launch(comm, self._next)
-                self._next += 1
-            grads = self._grads()
+        waiter = self._verdict
+        if waiter is not None:  # outside the lock: the helper takes it to launch what became ready
+            started = time.perf_counter()
             try:
-                with torch.no_grad():
-                    for b, buffer, work, prescale in self._in_flight:
-                        work.wait()
-                        if self._op is ReduceOp.AVERAGE and not prescale:
-                            buffer.div_(comm.size)
-                        fusion.unpack_(self.buckets[b], buffer, grads)
+                waiter.settle()
+            except CommError as exc:
+                with self._lock:
+                    self._on_comm_error(exc)
+                raise
+            finally:
+                self.check_wait_s += time.perf_counter() - started
+        with self._lock:
+            try:
+                self._bind(comm)
+                if self._verdict is waiter:
+                    self._raise_if_verdict_failed()
+                self._start_check(comm, helper=False)  # no gradient arrived this step: check here
+                for i, remaining in enumerate(self._remaining):
+                    if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
+                        self._remaining[i] = 0
+                        self._ready_one(i, comm)
+                self._launch_ready(comm)
+                if self._next != len(self.buckets):
+                    raise RuntimeError(f"internal error: {len(self.buckets) - self._next} gradient buckets were not launched")
+                self._finish_check(comm)  # deferred: the verdict comes before any result is used
+                layout = self._layout_for_step()
+                for b, work in self._in_flight:
+                    work.wait()
+                    layout.finish(b)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
             finally:
                 self._reset()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        now = time.perf_counter()
+        seconds = None if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        self._ring_steps += 1
+        if self._tuner is not None:
+            switch = self._tuner.end_step(seconds)
+            if switch is not None:
+                self._use_plan(switch)
+                self._reset()
+            self._record_tuning()
+
+    def _record_tuning(self) -> None:
+        tuner = self._tuner
+        if tuner is None or tuner.result is None or tuner.result is self.autotune_result:
+            return
+        self.autotune_result = result = tuner.result
+        timeline.instant("autotune", "fusion", chosen_bytes=result.chosen_bytes, candidates=list(result.candidates),
+                         step_ms=[round(t, 3) for t in result.step_ms])
+        times = ", ".join(f"{c >> 10} KiB: {t:.1f} ms" for c, t in zip(result.candidates, result.step_ms)) or "one candidate"
+        _log.info("autotune: DistributedOptimizer uses fusion_threshold_bytes=%d (median step per bucket size: %s; "
+                  "tuned over %d steps)", result.chosen_bytes, times, result.tuning_steps)
+
+    def _on_comm_error(self, exc: CommError) -> None:
+        """Drop everything of this step; gradients become None, and the buckets are rebuilt next time."""
+        self._reset()
+        self._layout = None
+        for p in self._params:
+            p.grad = None
+        setattr(exc, "live_state_consistent", True)

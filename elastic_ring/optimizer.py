@@ -5,6 +5,10 @@ a subclass of ``type(opt)`` that shares ``opt``'s parameter groups and state
 (so ``isinstance`` checks and LR schedulers keep working). Gradient hooks
 reduce buckets while backward runs (see :mod:`elastic_ring.grad_reducer`);
 ``step()`` waits for them, then runs the wrapped optimizer's own step.
+
+Gradients are views into the fusion buckets, so ``.grad`` tensors share
+storage with them between steps (as with DDP's ``gradient_as_bucket_view``);
+``zero_grad(set_to_none=True)`` and ``False`` both work.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from typing import Iterable, Iterator
 import torch
 
 from .compression import Compression, Compressor, check_compressor
-from .constants import OPTIMIZER_BUCKET_BYTES
+from .autotune import AutotuneResult
+from .constants import AUTOTUNE, FIRST_BUCKET_BYTES, OPTIMIZER_BUCKET_BYTES
 from .grad_reducer import GradReducer
 from .ops import Average, ReduceOp
 
@@ -42,7 +47,9 @@ class _DistributedMixin:
     def step(self, closure=None):  # noqa: D401 - torch's signature
         if self._er_synchronize_in_step:
             self._er_reducer.synchronize()
-        return super().step(closure)  # type: ignore[misc]
+        result = super().step(closure)  # type: ignore[misc]
+        self._er_reducer.applied_steps += 1
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._er_reducer.pending:
@@ -53,9 +60,34 @@ class _DistributedMixin:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     @property
+    def applied_steps(self) -> int:
+        """How many times this process applied the wrapped optimizer's step (rides in every step's
+        cross-rank check: ranks at different counts raise TensorMismatchError before reducing)."""
+        return self._er_reducer.applied_steps
+
+    def _set_applied_steps(self, n: int) -> None:
+        """Re-base :attr:`applied_steps` to ``n``, the same on every rank of the current ring (the state
+        layer calls this after every sync and restore). From then on the current ring compares it in
+        every step's check; after a re-form that was not re-based, only a fresh optimizer's count is
+        compared (a joiner starts at 0 while survivors do not)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"applied_steps={n!r} must be an int >= 0")
+        self._er_reducer.set_applied_steps(n)
+
+    @property
     def fusion_buckets(self):
         """The gradient buckets, in launch order (for inspection and tests)."""
         return self._er_reducer.buckets
+
+    @property
+    def fusion_threshold_bytes(self) -> int:
+        """The bucket size in use now (the autotuner may change it during a ring's first steps)."""
+        return self._er_reducer.bucket_bytes
+
+    @property
+    def autotune_result(self) -> AutotuneResult | None:
+        """What the autotuner tried and chose in the current ring (None while tuning or when it is off)."""
+        return self._er_reducer.autotune_result
 
 
 def _named_parameters(
@@ -97,7 +129,9 @@ def DistributedOptimizer(
     compression: Compressor = Compression.none,
     backward_passes_per_step: int = 1,
     op: ReduceOp | str = Average,
-    fusion_threshold_bytes: int = OPTIMIZER_BUCKET_BYTES,
+    fusion_threshold_bytes: int | None = None,
+    first_bucket_bytes: int | None = None,
+    autotune: bool | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over the ring.
 
@@ -108,10 +142,16 @@ def DistributedOptimizer(
         backward_passes_per_step: backward passes accumulated locally (summed)
             before one reduction; call ``step()`` after that many passes.
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
-        fusion_threshold_bytes: largest gradient bucket (default 16 MiB: small
-            enough that early buckets are reduced while backward still runs;
-            benchmarks/step.py measured 0.91-0.99x DDP's throughput with
-            64 MiB buckets and 1.05-1.10x with 16 MiB on a 50 MiB model).
+        fusion_threshold_bytes: largest gradient bucket (default
+            ``ELASTIC_RING_OPTIMIZER_BUCKET_BYTES``, 16 MiB). Giving it turns
+            autotuning off unless ``autotune=True``.
+        first_bucket_bytes: the first bucket closes once it holds this many
+            bytes, so the first allreduce starts early in backward (default
+            1 MiB, as DDP; 0 turns it off).
+        autotune: try bucket sizes during the first steps of every ring and
+            keep the fastest (the same on every rank; see
+            ``opt.autotune_result``). Default: on unless
+            ``fusion_threshold_bytes`` is given or ``ELASTIC_RING_AUTOTUNE=0``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -119,15 +159,24 @@ def DistributedOptimizer(
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
-    if not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1:
-        raise ValueError(f"fusion_threshold_bytes={fusion_threshold_bytes!r} must be an int >= 1")
+    if fusion_threshold_bytes is not None and (not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1):
+        raise ValueError(f"fusion_threshold_bytes={fusion_threshold_bytes!r} must be an int >= 1 (or None for the default)")
+    if first_bucket_bytes is not None and (not isinstance(first_bucket_bytes, int) or first_bucket_bytes < 0):
+        raise ValueError(f"first_bucket_bytes={first_bucket_bytes!r} must be an int >= 0 (0: no early first bucket)")
+    if autotune is not None and not isinstance(autotune, bool):
+        raise ValueError(f"autotune={autotune!r} must be True, False or None (None: on unless fusion_threshold_bytes is given)")
     op = ReduceOp.parse(op)
     compressor = check_compressor(compression)
     named = _named_parameters(optimizer, named_parameters)
+    if autotune is None:
+        autotune = AUTOTUNE and fusion_threshold_bytes is None
+    bucket_bytes = OPTIMIZER_BUCKET_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
+    first = FIRST_BUCKET_BYTES if first_bucket_bytes is None else first_bucket_bytes
 
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedMixin, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks with `optimizer`
-    wrapped._er_reducer = GradReducer(named, op, compressor, fusion_threshold_bytes, backward_passes_per_step)
+    wrapped._er_reducer = GradReducer(named, op, compressor, bucket_bytes, backward_passes_per_step,
+                                      first_bucket_bytes=first, autotune=autotune)
     wrapped._er_synchronize_in_step = True
     return wrapped

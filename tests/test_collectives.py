@@ -193,3 +193,46 @@ def test_bad_arguments_raise_on_every_rank_and_leave_the_ring_usable(ring):
     assert all(r == results[0] for r in results)
     assert "op=Average needs floating-point" in results[0][0]
     assert "root_rank=7" in results[0][3]
+
+
+def _fp16_prescale_before_cast():
+    """Values near 1e5 do not fit float16 (max 65504), but their average over the ring does."""
+    n, r = er.size(), er.rank()
+    x = torch.where(torch.arange(6) % n == r, torch.tensor(1e5), torch.tensor(100.0))
+    expected = torch.full((6,), (1e5 + 100.0 * (n - 1)) / n)
+    outs = [er.allreduce(x, compression=er.Compression.fp16)]
+    inplace = x.clone()
+    outs.append(er.allreduce_(inplace, compression=er.Compression.fp16))
+    outs += er.grouped_allreduce([x, x.double()], compression=er.Compression.fp16)
+    for out in outs:
+        assert torch.isfinite(out).all(), out
+        torch.testing.assert_close(out, expected.to(out.dtype), rtol=2e-3, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_average_of_values_above_the_fp16_range(ring, world):
+    assert ring.run(_fp16_prescale_before_cast, world_size=world) == [True] * world
+
+
+def _pool_use():
+    from elastic_ring import collectives
+
+    at_start = collectives._POOL.nbytes  # what the previous ring left: nothing once it is gone
+    big = torch.ones(1 << 18)  # 1 MiB, contiguous float32: reduced in place, no buffer
+    er.allreduce_(big, op=er.Sum)
+    direct = collectives._POOL.nbytes
+    er.grouped_allreduce_([torch.ones(100), torch.ones(50)], op=er.Sum)
+    fused = collectives._POOL.nbytes
+    released = collectives.release_buffers() or collectives._POOL.nbytes
+    er.grouped_allreduce_([torch.ones(100), torch.ones(50)], op=er.Sum)
+    return at_start, direct, fused, released, collectives._POOL.nbytes, big[0].item()
+
+
+def test_pool_direct_path_new_ring_and_release(ring):
+    first = ring.run(_pool_use, world_size=2)
+    second = ring.run(_pool_use, world_size=2)  # a new ring: the previous ring's buffers are gone
+    for at_start, direct, fused, released, kept, value in first + second:
+        assert direct == 0, "allreduce_ of one contiguous tensor of the wire dtype must not take a pooled buffer"
+        assert fused == 600 and released == 0 and kept == 600 and value == 2.0
+    assert [s[0] for s in second] == [0, 0]

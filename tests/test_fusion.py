@@ -70,3 +70,69 @@ def test_pack_unpack_roundtrip_with_casts_and_noncontiguous():
     fusion.unpack_(bucket, buf, targets)
     for t, o in zip(tensors, targets):
         torch.testing.assert_close(o, t, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "specs, threshold, first, expected",
+    [
+        # the first bucket closes as soon as it holds >= first bytes (DDP's early first bucket) ...
+        ([(10, F32), (300, F32), (20, F32), (20, F32)], 10_000, 1000, [(0, 1), (2, 3)]),
+        # ... and not before
+        ([(10, F32), (100, F32), (300, F32), (20, F32)], 10_000, 1000, [(0, 1, 2), (3,)]),
+        # it never grows past the threshold
+        ([(100, F32), (100, F32), (100, F32)], 800, 1000, [(0, 1), (2,)]),
+        # 0 turns it off
+        ([(10, F32), (300, F32), (20, F32)], 10_000, 0, [(0, 1, 2)]),
+        # one per dtype group
+        ([(300, F32), (300, I64), (5, F32), (5, I64)], 10_000, 1000, [(0,), (1,), (2,), (3,)]),
+    ],
+)
+def test_early_first_bucket(specs, threshold, first, expected):
+    buckets = fusion.plan_buckets(metas(*specs), threshold, Compression.none, first_bucket_bytes=first)
+    assert [b.indices for b in buckets] == expected
+
+
+def test_split_source_dtypes_keeps_dtypes_apart_for_views():
+    specs = metas((10, F32), (10, torch.float64), (10, F32))
+    mixed = fusion.plan_buckets(specs, 10_000, Compression.fp16)
+    split = fusion.plan_buckets(specs, 10_000, Compression.fp16, split_source_dtypes=True)
+    assert [b.indices for b in mixed] == [(0, 1, 2)] and mixed[0].source_dtype is None
+    assert [(b.indices, b.wire_dtype, b.source_dtype) for b in split] == [((0, 2), F16, F32), ((1,), F16, torch.float64)]
+
+
+def test_pack_divides_while_casting_so_fp16_average_does_not_overflow():
+    big = torch.tensor([1e5, -9e4, 3.0])
+    bucket = fusion.plan_buckets(fusion.metas_of([big]), 1 << 20, Compression.fp16)[0]
+    naive = big.to(F16)
+    assert torch.isinf(naive[:2]).all()  # what casting first would do
+    packed = fusion.pack(bucket, [big], fusion.allocate(bucket), divisor=2)
+    assert torch.isfinite(packed).all()
+    torch.testing.assert_close(packed.float(), big / 2, rtol=1e-3, atol=1e-3)
+    same_dtype = fusion.pack(bucket, [big.to(F16).nan_to_num(65504.0)], fusion.allocate(bucket), divisor=4)
+    assert torch.isfinite(same_dtype).all()
+
+
+def test_buffer_pool_is_bounded_owned_by_one_ring_and_clearable():
+    import gc
+
+    class Ring:  # stands in for a communicator: any object that can be weakly referenced
+        pass
+
+    bucket = fusion.plan_buckets(metas((256, F32)), 1 << 20, Compression.none)[0]  # 1 KiB
+    pool = fusion.BufferPool(max_bytes=1536)
+    ring = Ring()
+    a = pool.acquire(bucket, 0, owner=ring)
+    assert pool.acquire(bucket, 0, owner=ring).data_ptr() == a.data_ptr() and pool.nbytes == 1024
+    over = pool.acquire(bucket, 1, owner=ring)  # a second KiB would exceed the bound: handed out unpooled
+    assert over.numel() == 256 and pool.nbytes == 1024
+    other = Ring()
+    b = pool.acquire(bucket, 0, owner=other)  # another ring: the old ring's buffers go
+    assert pool.nbytes == 1024 and b.data_ptr() != a.data_ptr()
+    del other
+    gc.collect()
+    assert pool.nbytes == 0, "the pool empties when its ring is garbage-collected"
+    pool.acquire(bucket, 0, owner=ring)
+    pool.clear()
+    assert pool.nbytes == 0
+    with pytest.raises(ValueError, match="max_bytes=-1"):
+        fusion.BufferPool(-1)

@@ -84,3 +84,159 @@ def _same_numel_other_shape_is_not_garbage():
 
 def test_same_numel_different_shape_is_refused(ring):
     assert ring.run(_same_numel_other_shape_is_not_garbage, world_size=2) == ["refused", "refused"]
+
+
+# ---------------------------------------------------------------- the optimizer's per-step check
+
+def _tiny_optimizer(**kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  fusion_threshold_bytes=64, first_bucket_bytes=0, **kwargs)
+    return model, opt
+
+
+def _one_step(model, opt, seed):
+    opt.zero_grad()
+    model(torch.randn(3, 6, generator=torch.Generator().manual_seed(seed))).pow(2).sum().backward()
+    opt.step()
+
+
+def _ranks_at_different_steps(deferred):
+    from elastic_ring.grad_reducer import GradReducer
+
+    GradReducer.defer_check_on_cpu = deferred
+    try:
+        model, opt = _tiny_optimizer()
+        _one_step(model, opt, 0)  # a ring's first step is always checked before any bucket is sent
+        opt._set_applied_steps(7 if er.rank() == 0 else 5)  # e.g. one rank restored an older commit
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            _one_step(model, opt, 1)
+        except er.TensorMismatchError as exc:
+            message = str(exc)
+        else:
+            message = None
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        er.barrier()  # the ring is still usable: the buckets (of agreed sizes) were drained
+        opt._set_applied_steps(9)
+        _one_step(model, opt, 2)  # and training goes on once the steps agree
+        return message, unchanged, opt.applied_steps
+    finally:
+        GradReducer.defer_check_on_cpu = False
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["checked-before-sending", "verdict-in-synchronize"])
+def test_ranks_at_different_optimizer_steps_fail_on_every_rank_before_the_update(ring, deferred):
+    results = ring.run(_ranks_at_different_steps, deferred, world_size=2, timeout_s=30)
+    messages = [m for m, _, _ in results]
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "different optimizer steps (rank 0: 7, rank 1: 5)" in messages[0] and "synced" in messages[0]
+    assert all(unchanged for _, unchanged, _ in results), "no update was applied"
+    assert [applied for _, _, applied in results] == [10, 10]
+
+
+def _different_collective_after_deferred_buckets():
+    """With the verdict deferred (NCCL's mode), a mismatch found after buckets were sent aborts the ring on every rank."""
+    from elastic_ring.grad_reducer import GradReducer
+    from elastic_ring.signature import signature_hash
+
+    GradReducer.defer_check_on_cpu = True
+    try:
+        model, opt = _tiny_optimizer()
+        _one_step(model, opt, 0)
+        reducer = opt._er_reducer
+        if er.rank() == 1:  # same bucket sizes, another signature: the sends pair up, the verdict says no
+            reducer._kind = reducer._kind.replace("DistributedOptimizer step", "DistributedOptimizer step of another model")
+            reducer._digest = signature_hash(reducer._kind, reducer._entries)
+        try:
+            _one_step(model, opt, 1)
+        except er.TensorMismatchError as exc:
+            message = str(exc)
+        else:
+            message = None
+        try:
+            er.barrier()
+            after = "usable"
+        except er.CommError:
+            after = "aborted"
+        return message, after
+    finally:
+        GradReducer.defer_check_on_cpu = False
+
+
+def test_deferred_verdict_mismatch_raises_on_every_rank_and_aborts_the_ring(ring):
+    results = ring.run(_different_collective_after_deferred_buckets, world_size=2, timeout_s=30)
+    for message, after in results:
+        assert message is not None and "asynchronous check" in message
+        assert after == "aborted"
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01.", "unreadable"),  # a pickle is never loaded
+        (b'{"kind": 3, "entries": [], "step": null}', "malformed"),
+        (b'{"kind": "x", "entries": [["a"]], "step": null}', "malformed"),
+        (b'{"kind": "x", "entries": [], "step": "7"}', "malformed"),
+        (b"[1, 2]", "malformed"),
+    ],
+)
+def test_peer_descriptions_are_validated_json(data, fragment):
+    from elastic_ring.signature import _decode
+
+    with pytest.raises(er.TensorMismatchError, match=f"rank 3's description is {fragment}"):
+        _decode(data, 3)
+    assert _decode(b'{"kind": "k", "entries": [["w", "float32[2]"]], "step": 4}', 0) == {
+        "kind": "k", "entries": [("w", "float32[2]")], "step": 4}
+
+
+def test_signature_module_does_not_import_pickle():
+    import ast
+    import inspect
+
+    from elastic_ring import signature
+
+    tree = ast.parse(inspect.getsource(signature))
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "pickle" not in imported and "json" in imported
+
+
+_KEPT: dict = {}  # one optimizer per worker process, across tasks (rings)
+
+
+def _first_ring_then_diverge():
+    _KEPT["opt"] = _tiny_optimizer()
+    model, opt = _KEPT["opt"]
+    for step in range(2):
+        _one_step(model, opt, step)
+    if er.rank() == 1:  # e.g. this rank applied one more step before the ring failed, and nobody re-based
+        opt._er_reducer.applied_steps += 1
+    return opt.applied_steps
+
+
+def _next_ring_with_a_joiner():
+    if er.rank() == 2:  # the joiner: a fresh optimizer (its count starts at 0)
+        _KEPT["opt"] = _tiny_optimizer()
+    model, opt = _KEPT["opt"]
+    counts = [opt.applied_steps]
+    _one_step(model, opt, 10)  # survivors at 2 and 3, joiner at 0: not compared until re-based
+    opt._set_applied_steps(20)  # what the state layer does after the sync: every rank agrees now
+    _one_step(model, opt, 11)
+    counts.append(opt.applied_steps)
+    opt._set_applied_steps(30 + (er.rank() == 2))  # a rank that missed the re-base
+    try:
+        _one_step(model, opt, 12)
+    except er.TensorMismatchError as exc:
+        return counts, str(exc)
+    return counts, None
+
+
+def test_step_ids_are_compared_once_the_ring_is_rebased(ring):
+    assert ring.run(_first_ring_then_diverge, world_size=2) == [2, 3]
+    results = ring.run(_next_ring_with_a_joiner, world_size=3, timeout_s=30)
+    assert [counts for counts, _ in results] == [[2, 21], [3, 21], [0, 21]]
+    messages = [m for _, m in results]
+    assert messages[0] is not None and len(set(messages)) == 1
+    assert "(rank 0: 30, rank 1: 30, rank 2: 31)" in messages[0]

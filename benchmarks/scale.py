@@ -1,0 +1,264 @@
+"""How forming a ring, re-forming it, and recovering from a lost worker cost as the world grows.
+
+Part 1 (plain processes, no Ray): ``world`` processes form a gloo ring with
+``er.init`` (round 1: a fresh process's first ring, store connection
+included), then re-form it ``--reforms`` times in the same processes (each
+``er.init`` aborts the previous round's communicator and forms the next, which
+is what survivors do after a failure or a membership change). Each time is
+measured from the moment the store releases every process (as a driver does
+when it hands out a ring) until the last rank has formed, followed by one
+barrier on the new ring. Prints the medians per world size and the least-
+squares slope in milliseconds per rank.
+
+Part 2 (Ray, ``ElasticTrainer``): ``world`` workers train a small MLP; one
+SIGKILLs itself at step 20. Recovery is the time from the kill to the
+survivors' first completed step in the new ring (as benchmarks/recovery.py).
+
+Both are drawn into ``--png`` (default docs/scale.png; the numbers go to the
+same name with ``.json``, and ``--replot JSON`` redraws). On this 2-core machine
+every process shares two cores, so large worlds measure CPU contention as
+much as the protocol: read the slope as an upper bound.
+
+    python -m benchmarks.scale [--worlds 2 4 8 16 32] [--reforms 3] [--recovery-worlds 2 4 6 8] [--skip-recovery]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import signal
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import elastic_ring as er
+from benchmarks._launch import new_secret, ring_spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KILL_STEP = 20
+
+
+# ---------------------------------------------------------------- part 1: form and re-form
+
+def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int, queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        formed = []
+        for r in range(rounds):
+            store.add(f"ready/{r}", 1)
+            store.wait([f"go/{r}"])
+            er.init(ring_spec(secret, round_id=r + 1, rank=rank, world_size=world, node_ids=("localhost",) * world,
+                              store=er.StoreAddress("127.0.0.1", port), job_id=f"scale-{world}"))
+            formed.append(time.time())
+            er.barrier()
+            store.add(f"done/{r}", 1)
+        er.shutdown()
+        queue.put((rank, formed, None))
+    except Exception as exc:  # handed to the parent, which raises it
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}"))
+
+
+def _counter(store: dist.TCPStore, key: str) -> int:
+    return int(store.add(key, 0))
+
+
+def _wait_count(store: dist.TCPStore, key: str, n: int, deadline: float, what: str) -> None:
+    while _counter(store, key) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: only {_counter(store, key)} of {n} processes within the deadline")
+        time.sleep(0.001)
+
+
+def form_times(world: int, reforms: int, timeout_s: float = 600.0) -> tuple[float, list[float]]:
+    """Seconds to form the first ring of ``world`` fresh processes, and each re-form after it."""
+    # spawn, not a forkserver with torch preloaded: children forked from a process that imported torch
+    # stall ~5 s on some connections at 16+ ranks (measured), which real workers (Ray actors) never do
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    rounds = reforms + 1
+    secret = new_secret()
+    procs = [ctx.Process(target=_member, args=(r, world, store.port, secret, rounds, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    released = []
+    try:
+        for r in range(rounds):
+            _wait_count(store, f"ready/{r}", world, deadline, f"world {world} round {r + 1}: ready")
+            released.append(time.time())
+            store.set(f"go/{r}", "1")
+            _wait_count(store, f"done/{r}", world, deadline, f"world {world} round {r + 1}: formed")
+        replies = [queue.get(timeout=max(1.0, deadline - time.monotonic())) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {rank}: {err}" for rank, _, err in replies if err]
+    if errors:
+        raise RuntimeError(f"world {world}: " + "; ".join(errors))
+    last = [max(formed[r] for _, formed, _ in replies) for r in range(rounds)]
+    times = [t - go for t, go in zip(last, released)]
+    return times[0], times[1:]
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; returns (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+# ---------------------------------------------------------------- part 2: recovery with Ray
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+
+
+def recovery_job(config: dict):
+    from state import ElasticSampler, TorchState
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(4096, 64, generator=g), torch.randn(4096, 1, generator=g)
+    model = _model()
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
+    state = TorchState(model=model, optimizer=opt, sampler=ElasticSampler(4096, batch_size=16, seed=0), step=0)
+
+    @er.elastic.run
+    def loop(state):
+        for batch in state.sampler:
+            if er.round_id() == 1 and er.rank() == er.size() - 1 and state.step == KILL_STEP:
+                pathlib.Path(config["kill_file"]).write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step >= config["steps"]:
+                break
+            idx = torch.tensor(batch, dtype=torch.long)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xs[idx]), ys[idx]).backward()
+            opt.step()
+            state.sampler.record_batch()
+            state.step += 1
+            er.report(step=state.step)
+            state.commit()
+            time.sleep(config["step_delay_s"])
+        return state.step
+
+    return loop(state)
+
+
+def recovery_time(world: int, step_delay_s: float) -> tuple[float, float | None]:
+    """(kill to the survivors' first step in the new ring, the driver's own 'recovered' seconds)."""
+    from ray_integration import ElasticTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kill_file = os.path.join(tmp, "killed")
+        result = ElasticTrainer(min_workers=max(1, world - 1), max_workers=world, progress=False).run(
+            recovery_job, config={"kill_file": kill_file, "step_delay_s": step_delay_s, "steps": KILL_STEP + 30})
+        killed_at = float(pathlib.Path(kill_file).read_text())
+    after = [m["time"] for m in result.metrics if m["round"] is not None and m["round"] > 1]
+    recovered = [e.detail.get("seconds") for e in result.events if e.kind == "recovered"]
+    return min(after) - killed_at, (recovered[0] if recovered else None)
+
+
+# ---------------------------------------------------------------- main
+
+def draw(path: pathlib.Path, data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds, first, reform = data["worlds"], data["first"], data["reform"]
+    recovery = {int(k): v for k, v in data.get("recovery", {}).items()}
+    a, b = fit(worlds, reform)
+    panels = 2 if recovery else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.4 * panels, 3.9), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(worlds, first, "o-", color="tab:blue", label="first ring (fresh processes)")
+    ax.plot(worlds, reform, "s-", color="tab:orange", label="re-form (median of 3)")
+    ax.plot(worlds, [a + b * w for w in worlds], ":", color="tab:orange", lw=1,
+            label=f"re-form fit: {a * 1e3:.0f} ms + {b * 1e3:.1f} ms/rank")
+    ax.set(xlabel="ranks (processes on one 2-core VM)", ylabel="seconds (log)", title="gloo ring formation, no Ray")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.legend(fontsize=8)
+    if recovery:
+        rx = sorted(recovery)
+        ra, rb = fit(rx, [recovery[w] for w in rx])
+        ax2 = axes[0][1]
+        ax2.plot(rx, [recovery[w] for w in rx], "o-", color="tab:green", label="kill → first step in the new ring")
+        ax2.plot(rx, [ra + rb * w for w in rx], ":", color="tab:green", lw=1, label=f"fit: {rb * 1e3:.0f} ms/worker")
+        ax2.set(xlabel="Ray workers (one SIGKILLed)", ylabel="seconds", title="recovery, ElasticTrainer")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--reforms", type=int, default=3)
+    parser.add_argument("--recovery-worlds", type=int, nargs="+", default=[2, 4, 6, 8])
+    parser.add_argument("--step-delay-s", type=float, default=0.02)
+    parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--png", default=str(ROOT / "docs" / "scale.png"))
+    parser.add_argument("--replot", metavar="JSON", help="only redraw --png from the numbers a previous run saved")
+    args = parser.parse_args()
+    if args.replot:
+        draw(pathlib.Path(args.png), json.loads(pathlib.Path(args.replot).read_text()))
+        print(f"wrote {args.png}")
+        return
+    if any(w < 2 for w in args.worlds + args.recovery_worlds):
+        parser.error("world sizes must be >= 2")
+
+    first, reform = [], []
+    print(f"{'ranks':>5} {'first ring s':>13} {'re-form s (median)':>19} {'re-forms':>30}", flush=True)
+    for world in args.worlds:
+        f, rs = form_times(world, args.reforms)
+        first.append(f)
+        reform.append(statistics.median(rs))
+        print(f"{world:>5} {f:>13.3f} {reform[-1]:>19.3f} {' '.join(f'{r:.3f}' for r in rs):>30}", flush=True)
+    fit_first, fit_reform = fit(args.worlds, first), fit(args.worlds, reform)
+    print(f"least-squares slope: first ring {fit_first[1] * 1e3:.1f} ms/rank, re-form {fit_reform[1] * 1e3:.1f} ms/rank "
+          f"(intercepts {fit_first[0]:.3f} s, {fit_reform[0]:.3f} s); re-form at {args.worlds[-1]} ranks is "
+          f"{reform[-1] / reform[0]:.1f}x the one at {args.worlds[0]}")
+
+    recovery: dict[int, float] = {}
+    if not args.skip_recovery:
+        import ray
+
+        ray.init(num_cpus=max(args.recovery_worlds) + 2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        try:
+            print(f"\n{'workers':>7} {'recovery s':>11} {'driver recovered s':>19}", flush=True)
+            for world in args.recovery_worlds:
+                seconds, reported = recovery_time(world, args.step_delay_s)
+                recovery[world] = seconds
+                print(f"{world:>7} {seconds:>11.3f} {'-' if reported is None else f'{reported:.3f}':>19}", flush=True)
+        finally:
+            ray.shutdown()
+        a, b = fit(list(recovery), list(recovery.values()))
+        print(f"recovery slope: {b * 1e3:.1f} ms/worker (intercept {a:.3f} s)")
+    data = {"worlds": args.worlds, "first": first, "reform": reform, "recovery": recovery}
+    saved = pathlib.Path(args.png).with_suffix(".json")
+    saved.write_text(json.dumps(data, indent=1))
+    draw(pathlib.Path(args.png), data)
+    print(f"wrote {args.png} and {saved}")
+
+
+if __name__ == "__main__":
+    main()
