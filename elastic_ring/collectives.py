@@ -43,7 +43,12 @@ def release_buffers() -> None:
     """Free the pooled fusion buffers (the runtime calls this when it tears a ring down)."""
     _POOL.clear()
 
+
+runtime.add_teardown_hook(release_buffers)  # a torn-down ring's buffers go with it
+
+
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64)
+
 
 
 def _names(tensors: Sequence[torch.Tensor], name: str | Sequence[str] | None, kind: str) -> list[str]:

@@ -18,11 +18,12 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .compression import Compression, Compressor, check_compressor
 from .autotune import AutotuneResult
+from .compression import Compression, Compressor, check_compressor
 from .constants import AUTOTUNE, FIRST_BUCKET_BYTES, OPTIMIZER_BUCKET_BYTES
 from .grad_reducer import GradReducer
 from .ops import Average, ReduceOp
+from .validation import check_int
 
 
 class _DistributedMixin:
@@ -157,12 +158,14 @@ def DistributedOptimizer(
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1")
-    if fusion_threshold_bytes is not None and (not isinstance(fusion_threshold_bytes, int) or fusion_threshold_bytes < 1):
-        raise ValueError(f"fusion_threshold_bytes={fusion_threshold_bytes!r} must be an int >= 1 (or None for the default)")
-    if first_bucket_bytes is not None and (not isinstance(first_bucket_bytes, int) or first_bucket_bytes < 0):
-        raise ValueError(f"first_bucket_bytes={first_bucket_bytes!r} must be an int >= 0 (0: no early first bucket)")
+    check_int("DistributedOptimizer", "backward_passes_per_step", backward_passes_per_step, minimum=1,
+              hint="call step() after that many backward passes")
+    if fusion_threshold_bytes is not None:
+        check_int("DistributedOptimizer", "fusion_threshold_bytes", fusion_threshold_bytes, minimum=1,
+                  hint="or None for the default")
+    if first_bucket_bytes is not None:
+        check_int("DistributedOptimizer", "first_bucket_bytes", first_bucket_bytes, minimum=0,
+                  hint="0: no early first bucket")
     if autotune is not None and not isinstance(autotune, bool):
         raise ValueError(f"autotune={autotune!r} must be True, False or None (None: on unless fusion_threshold_bytes is given)")
     op = ReduceOp.parse(op)

@@ -226,6 +226,9 @@ class State:
                 self._clear_grads()
             status = statuses[root]
             version = {Mode.LIVE: status.version, Mode.ROLLBACK: status.commit_version, Mode.FRESH: 0}[decision.mode]
+            for handler in self._handlers.values():  # every rank's optimizer now counts from the same step id
+                if isinstance(handler, OptimizerHandler) and hasattr(handler.value, "_set_applied_steps"):
+                    handler.value._set_applied_steps(version)
             self._rebase(version)
             object.__setattr__(self, "_holds", True)
             object.__setattr__(self, "_trust", CONSISTENT)
