@@ -123,7 +123,7 @@ def measure_ours(step_delay_s: float, commit_every: int, trainer_kwargs: dict) -
     with tempfile.TemporaryDirectory() as tmp:
         kill_file = os.path.join(tmp, "killed")
         result = ElasticTrainer(min_workers=2, max_workers=3, progress=False, **trainer_kwargs).run(
-            ours_train, config={"epochs": 2, "kill_file": kill_file, "step_delay_s": step_delay_s,
+            ours_train, config={"epochs": 3, "kill_file": kill_file, "step_delay_s": step_delay_s,
                                 "commit_every": commit_every})
         killed_at = float(pathlib.Path(kill_file).read_text())
     by_round: dict[int, list[tuple[float, int]]] = {}

@@ -209,6 +209,7 @@ class State:
             else:
                 decision = SyncDecision(root_rank, Mode.LIVE if statuses[root_rank].holds else Mode.FRESH)
             root = decision.root
+            er.timeline.instant("sync_decision", "state", mode=decision.mode.value, root=root)
             if er.rank() == root:
                 if decision.mode is Mode.ROLLBACK:
                     self.restore()

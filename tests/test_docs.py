@@ -63,13 +63,14 @@ class Block:
 class Doc:
     path: pathlib.Path
     prose: list[tuple[int, str]]  # (line number, text) outside fenced blocks, code spans removed
+    headings: list[str]           # heading texts as written (code spans kept: GitHub's anchors keep their text)
     blocks: list[Block]
     markers: list[tuple[int, str, str]]
 
 
 def parse(path: pathlib.Path) -> Doc:
     lines = path.read_text(encoding="utf-8").splitlines()
-    prose, blocks, markers = [], [], []
+    prose, blocks, markers, headings = [], [], [], []
     i = 0
     last_nonblank: tuple[int, str] | None = None
     while i < len(lines):
@@ -93,10 +94,12 @@ def parse(path: pathlib.Path) -> Doc:
         if match:
             markers.append((i + 1, *match.groups()))
         prose.append((i + 1, CODE_SPAN.sub("", line)))
+        if heading := HEADING.match(line):
+            headings.append(heading.group(2))
         if line.strip():
             last_nonblank = (i + 1, line)
         i += 1
-    return Doc(path, prose, blocks, markers)
+    return Doc(path=path, prose=prose, headings=headings, blocks=blocks, markers=markers)
 
 
 def slug(heading: str) -> str:
@@ -110,11 +113,8 @@ def slug(heading: str) -> str:
 def anchors(path: pathlib.Path) -> set[str]:
     seen: dict[str, int] = {}
     result = set()
-    for _, line in parse(path).prose:
-        heading = HEADING.match(line)
-        if not heading:
-            continue
-        base = slug(heading.group(2))
+    for heading in parse(path).headings:
+        base = slug(heading)
         count = seen.get(base, 0)
         seen[base] = count + 1
         result.add(base if count == 0 else f"{base}-{count}")
@@ -224,9 +224,10 @@ def test_slug_table(heading, expected):
 
 
 def test_link_problems_are_found(tmp_path):
-    (tmp_path / "other.md").write_text("# Other page\n## Other page\n")
+    (tmp_path / "other.md").write_text("# Other page\n## Other page\n### Steps: `python -m x.step`\n")
     doc = write(tmp_path, "# Here\n")
     assert link_problem(doc, "other.md#other-page-1") is None
+    assert link_problem(doc, "other.md#steps-python--m-xstep") is None  # a code span's text is in the anchor
     assert link_problem(doc, "#here") is None
     assert link_problem(doc, "https://example.com/missing") is None
     assert "missing.md does not exist" in link_problem(doc, "missing.md")

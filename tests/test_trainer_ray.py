@@ -51,11 +51,15 @@ def check_timeline(path, result):
     assert len(workers) >= 4, workers  # three first members and the replacement
     names = {(e["cat"], e["name"]) for e in trace if e["ph"] != "M"}
     for expected in [("fusion", "pack"), ("fusion", "unpack"), ("collective", "allreduce"),
-                     ("collective", "broadcast"), ("state", "commit"), ("state", "sync"), ("state", "restore"),
+                     ("collective", "broadcast"), ("state", "commit"), ("state", "sync"), ("state", "sync_decision"),
                      ("membership", "reform"), ("membership", "collective_failed"),
                      ("membership", "membership_changed"), ("membership", "worker_lost"),
                      ("membership", "worker_joined"), ("membership", "ring_formed")]:
         assert expected in names, (expected, sorted(names))
+    # after the failure the survivors either go on from a whole live state or roll back (and restore)
+    modes = {e["args"]["mode"] for e in trace if e["name"] == "sync_decision"}
+    assert modes & {"live", "rollback"}, modes
+    assert ("rollback" in modes) == (("state", "restore") in names), (modes, sorted(names))
     for e in trace:
         assert {"name", "ph", "pid"} <= set(e) and (e["ph"] == "M" or isinstance(e["ts"], float)), e
         if e["ph"] == "X":
