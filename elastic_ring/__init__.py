@@ -15,6 +15,7 @@ This package knows nothing of Ray or of training state. It offers:
 from . import auth, elastic, progress, timeline
 from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
+    agree_max,
     allgather,
     allreduce,
     allreduce_,
@@ -37,7 +38,6 @@ from .ops import Average, Max, Min, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .progress import set_progress
 from .report import report, set_reporter
-from .signature import agree_max
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
 from .spec import RingSpec, StoreAddress
 from .store import StoreServer

@@ -10,6 +10,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from . import runtime
 from .collectives import grouped_broadcast_
 from .object_collectives import broadcast_tree
 
@@ -42,7 +43,5 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     state = broadcast_tree(optimizer.state_dict(), root_rank, name="optimizer_state", timeout_s=timeout_s)
-    from . import runtime
-
     if runtime.rank() != root_rank:
         optimizer.load_state_dict(state)

@@ -33,7 +33,7 @@ from .communicator import Communicator
 from .compression import Compression, Compressor, check_compressor
 from .constants import FUSION_POOL_MAX_BYTES, FUSION_THRESHOLD_BYTES
 from .ops import Average, ReduceOp
-from .signature import describe, verify_same
+from .signature import describe, start_check, verify_same
 
 #: Fusion buffers of the in-place collectives, reused across calls of one ring.
 _POOL = fusion.BufferPool(FUSION_POOL_MAX_BYTES)
@@ -279,3 +279,11 @@ def barrier(timeout_s: float | None = None) -> None:
     verify_same(comm, "barrier", [], timeout_s)
 
     # The signature check is an allreduce that needs every rank: it is the barrier.
+
+
+def agree_max(kind: str, values: Sequence[int], timeout_s: float | None = None) -> list[int]:
+    """One small collective on the current ring: check that every rank is making the
+    same ``kind`` of call, and return the maximum over ranks of each of ``values``
+    (small non-negative ints, e.g. flags). Raises :class:`TensorMismatchError` on
+    every rank if some rank is making another call."""
+    return start_check(runtime.current(), kind, [], timeout_s, values).finish()

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import logging
 
+from . import identity as ring_identity, progress
+
 def identity() -> str:
     """``[rank 2/4 round 7 step 130]``, or ``[no ring]`` before the first round."""
-    from . import progress, runtime  # late: runtime imports this module
-
-    comm = runtime.current_or_none()
-    if comm is None:
-        text = "no ring"
-    else:
-        text = comm.spec.identity
+    ring = ring_identity.current()
+    text = "no ring" if ring is None else ring.text
     step = progress.current().get("step")
     if step is not None:
         text += f" step {step}"

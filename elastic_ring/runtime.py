@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from typing import Callable
 
+from . import identity as ring_identity
 from .auth import AuthenticatedStore, new_secret
 from .communicator import Communicator
 from .errors import CommError, NotInitializedError
@@ -117,6 +118,7 @@ def init(spec: RingSpec) -> Communicator:
         started = time.monotonic()
         store = AuthenticatedStore(_store_client(spec.store, spec.connect_timeout_s), spec.auth_key)
         _current = _create(spec, store)
+        ring_identity.set_current(ring_identity.RingIdentity.of(_current.spec))
         _log.debug("formed %s ring of %d in %.3f s", spec.backend, spec.world_size, time.monotonic() - started)
         return _current
 
@@ -125,6 +127,7 @@ def _shutdown_locked() -> None:
     global _current
     if _current is not None:
         comm, _current = _current, None
+        ring_identity.set_current(None)
         try:
             if comm.errored:
                 comm.abort()

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .byte_collectives import allgather_bytes
 from .communicator import Communicator
 from .errors import TensorMismatchError
 from .ops import ReduceOp
@@ -122,8 +123,6 @@ class PendingCheck:
 
     def exchange_message(self) -> str:
         """After a disagreement (on every rank): swap descriptions and say what each rank passed."""
-        from .object_collectives import allgather_bytes  # late: it imports this module
-
         mine = json.dumps({"kind": self._kind, "entries": self._entries, "step": self._step}).encode()
         views = [_decode(data, rank) for rank, data in enumerate(allgather_bytes(self._comm, mine, self._timeout_s))]
         return _mismatch_message(views)
@@ -146,16 +145,6 @@ def start_check(
     probe layout as its peers.
     """
     return PendingCheck(comm, kind, entries, timeout_s, values, step, digest, step_slots)
-
-
-def agree_max(kind: str, values: Sequence[int], timeout_s: float | None = None) -> list[int]:
-    """One small collective on the current ring: check that every rank is making the
-    same ``kind`` of call, and return the maximum over ranks of each of ``values``
-    (small non-negative ints, e.g. flags). Raises :class:`TensorMismatchError` on
-    every rank if some rank is making another call."""
-    from . import runtime  # late: runtime imports log, which is fine, but keep signature import-light
-
-    return start_check(runtime.current(), kind, [], timeout_s, values).finish()
 
 
 def verify_same(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None) -> None:

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from . import progress
+from . import identity as ring_identity, progress
 
 #: Events buffered between two drains; beyond this the oldest are dropped (and counted).
 MAX_BUFFERED_EVENTS = 200_000
@@ -58,12 +58,10 @@ def is_enabled() -> bool:
 
 
 def _identity() -> dict[str, Any]:
-    from . import runtime  # late: runtime imports modules that import this one
-
-    comm = runtime.current_or_none()
+    ring = ring_identity.current()
     args: dict[str, Any] = {}
-    if comm is not None:
-        args = {"rank": comm.rank, "world": comm.size, "round": comm.spec.round_id}
+    if ring is not None:
+        args = {"rank": ring.rank, "world": ring.world, "round": ring.round_id}
     step = progress.current().get("step")
     if step is not None:
         args["step"] = step

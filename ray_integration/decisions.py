@@ -180,3 +180,29 @@ def persist_before_leaving(remaining: int, min_workers: int) -> bool:
 def stop_overdue(stop_age_s: float | None, limits: Limits) -> bool:
     """A requested stop has waited too long for the workers' last commit."""
     return stop_age_s is not None and stop_age_s > limits.stop_timeout_s
+
+
+class StartFailureKind(enum.Enum):
+    """How a worker failed before it could run ``fn`` (see :func:`start_failure_verdict`)."""
+
+    LOAD = "load"          # fn, its module or an import of the worker could not be loaded there
+    INIT = "init"          # the worker actor's constructor raised for another reason
+    RUNTIME_ENV = "runtime_env"  # Ray could not set up the runtime_env
+
+
+#: How many failures of a kind, of any workers, end the run. A broken import fails the same way on every
+#: node, so the first ends it. A constructor error or a runtime_env that cannot be set up may come from a
+#: node that died while the worker started (a preemption, a removed node), so it takes a second one to
+#: tell a deterministic failure from bad luck.
+START_FAILURES_TO_GIVE_UP = {StartFailureKind.LOAD: 1, StartFailureKind.INIT: 2, StartFailureKind.RUNTIME_ENV: 2}
+
+
+def start_failure_verdict(kinds: list[StartFailureKind]) -> int | None:
+    """Given the start failures seen so far (oldest first), the index of the one that ends the run, or
+    None (each earlier one is an ordinary worker loss: it is replaced and counts against max_failures)."""
+    seen: dict[StartFailureKind, int] = {}
+    for i, kind in enumerate(kinds):
+        seen[kind] = seen.get(kind, 0) + 1
+        if seen[kind] >= START_FAILURES_TO_GIVE_UP[kind]:
+            return i
+    return None

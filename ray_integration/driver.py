@@ -25,7 +25,7 @@ import elastic_ring as er
 
 from . import decisions
 from .config import TrainerConfig
-from .decisions import Outcome, Step
+from .decisions import Outcome, StartFailureKind, Step
 from .events import EventLog
 from .ring_formation import Member, Ring, form_ring
 from .ray_watcher import RayWatcher
@@ -83,11 +83,14 @@ def _fatal(d: "Driver") -> DriverState | None:
             d.events.add("failed", d.round_id, d.world_size, reason="user error", worker=record.worker_id,
                          rank=record.user_error.rank, node=record.node_id)
             return Failed(record.user_error)
-        if record.start_error is not None:
-            d.events.add("failed", d.round_id, d.world_size, reason="worker could not start", worker=record.worker_id)
-            hint = f"\nHint: {START_HINT}" if "ModuleNotFoundError" in record.start_error or \
-                "ImportError" in record.start_error else ""
-            return Failed(RunFailed(f"worker {record.worker_id} could not start or load fn:\n{record.start_error}{hint}"))
+    failures = d.pool.start_failures
+    decisive = decisions.start_failure_verdict([r.start_kind for r in failures])
+    if decisive is not None:
+        record = failures[decisive]
+        d.events.add("failed", d.round_id, d.world_size, reason="worker could not start", worker=record.worker_id)
+        hint = f"\nHint: {START_HINT}" if record.start_kind is StartFailureKind.LOAD else ""
+        times = "" if decisive == 0 else f" ({decisive + 1} workers failed to start)"
+        return Failed(RunFailed(f"worker {record.worker_id} could not start or load fn{times}:\n{record.start_error}{hint}"))
     return None
 
 

@@ -21,7 +21,7 @@ import elastic_ring as er
 
 from .channel import Channel
 from .config import TrainerConfig
-from .decisions import MemberView
+from .decisions import MemberView, StartFailureKind
 from .protocol import Keys
 from .worker import RingWorker, WorkerError
 
@@ -57,7 +57,8 @@ class WorkerRecord:
     fault: str | None = None        # what a worker thread reported before it failed
     value: Any = None
     user_error: WorkerError | None = None
-    start_error: str | None = None  # the actor or fn could not even start: a deterministic failure
+    start_error: str | None = None  # the actor or fn could not even start (what to tell the user)
+    start_kind: StartFailureKind | None = None  # and of which kind (decisions.start_failure_verdict)
 
     @property
     def waiting(self) -> bool:
@@ -93,6 +94,7 @@ class WorkerPool:
         self.store_host, self.store_port, self._secret = store_host, store_port, secret
         self.fn, self.fn_config, self.settings = fn, fn_config, settings
         self.records: dict[str, WorkerRecord] = {}
+        self.start_failures: list[WorkerRecord] = []  # workers that failed before fn ran, oldest first
         self.mail = Mail()
         self._ready_seq = itertools.count()
         self._by_ref: dict[Any, tuple[str, str]] = {}   # ObjectRef -> (worker id, "info" | "run")
@@ -234,14 +236,16 @@ class WorkerPool:
         except ray.exceptions.RayActorError as exc:
             if record.dead:
                 return
-            text = str(exc)
-            record.dead, record.cause = True, f"did not start: {_first_lines(text)}"
-            if "Traceback" in text or "Error" in text.split("\n", 1)[0]:
-                record.start_error = _first_lines(text, 12)
-            record.start_error = _start_failure(exc) or record.start_error
+            record.dead, record.cause = True, f"did not start: {_first_lines(str(exc))}"
+            self._note_start_failure(record, _start_failure(exc))
         except ray.exceptions.RayError as exc:
             record.dead, record.cause = True, f"did not start: {type(exc).__name__}: {_first_lines(str(exc))}"
-            record.start_error = _start_failure(exc)
+            self._note_start_failure(record, _start_failure(exc))
+
+    def _note_start_failure(self, record: WorkerRecord, failure: tuple[StartFailureKind, str] | None) -> None:
+        if failure is not None and record.start_kind is None:
+            record.start_kind, record.start_error = failure
+            self.start_failures.append(record)
 
     def _ended(self, record: WorkerRecord, ref: Any) -> None:
         try:
@@ -256,25 +260,35 @@ class WorkerPool:
             elif record.info is None or not record.in_ring and record.generation == 0:
                 # fn never started: its arguments could not be loaded (e.g. its module is missing there)
                 record.dead, record.cause = True, f"could not run fn: {_first_lines(str(exc))}"
-                record.start_error = _first_lines(str(exc), 12)
+                self._note_start_failure(record, (_load_or_init(str(exc)), _first_lines(str(exc), 12)))
             else:
                 record.dead, record.cause = True, f"run failed: {_first_lines(str(exc))}"
         except ray.exceptions.RayError as exc:  # the actor or its node died
             if not record.dead:
                 record.dead, record.cause = True, f"process lost: {type(exc).__name__}"
-                record.start_error = _start_failure(exc)  # it died starting (whichever of its refs came first)
+                self._note_start_failure(record, _start_failure(exc))  # it died starting (whichever ref came first)
 
 
-def _start_failure(exc: BaseException) -> str | None:
-    """What to tell the user if ``exc`` says the worker actor cannot start anywhere: its constructor
-    raised or its class could not be imported there (``actor_init_failed``), or Ray could not set up
-    its runtime_env. Every other worker would fail alike, so the run ends with it. None otherwise."""
+def _start_failure(exc: BaseException) -> tuple[StartFailureKind, str] | None:
+    """What kind of start failure ``exc`` is, and what to tell the user, if it says the worker actor could
+    not start: its constructor raised or its class could not be imported there (``actor_init_failed``), or
+    Ray could not set up its runtime_env. None for everything else (a process or node lost while starting
+    is an ordinary loss)."""
     if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False):
-        return _first_lines(str(exc), 12)
+        text = _first_lines(str(exc), 12)
+        return _load_or_init(text), text
     if isinstance(exc, ray.exceptions.RuntimeEnvSetupError):
-        return ("Ray could not set up its runtime_env (ElasticTrainer(runtime_env=...) merged with the job's):\n"
-                + _first_lines(str(exc), 8))
+        return StartFailureKind.RUNTIME_ENV, ("Ray could not set up its runtime_env (ElasticTrainer(runtime_env=...) "
+                                              "merged with the job's):\n" + _first_lines(str(exc), 8))
     return None
+
+
+_LOAD_ERRORS = ("ModuleNotFoundError", "ImportError", "No module named", "Can't get attribute", "UnpicklingError")
+
+
+def _load_or_init(text: str) -> StartFailureKind:
+    """An import or unpickling error fails alike on every node (LOAD); anything else may be the node (INIT)."""
+    return StartFailureKind.LOAD if any(marker in text for marker in _LOAD_ERRORS) else StartFailureKind.INIT
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .sampler import ElasticSampler
 from .snapshot import SnapshotBuffer, copy_tree
 
 
@@ -120,8 +121,6 @@ class ValueHandler(Handler):
 
 def handler_for(value: Any) -> Handler:
     """The handler for ``value``, by type."""
-    from .sampler import ElasticSampler  # late: avoids a cycle through state/__init__
-
     if isinstance(value, torch.nn.Module):
         return ModuleHandler(value)
     if isinstance(value, torch.optim.Optimizer):

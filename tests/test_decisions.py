@@ -6,7 +6,7 @@ import pytest
 from ray_integration import decisions
 from ray_integration.config import TrainerConfig
 from ray_integration.decisions import MemberView as M
-from ray_integration.decisions import Outcome, Step
+from ray_integration.decisions import Outcome, StartFailureKind, Step, start_failure_verdict
 
 LIMITS = TrainerConfig(min_workers=2, max_workers=4, heartbeat_interval_s=0.5, heartbeat_timeout_s=10,
                        collective_timeout_s=60, connect_timeout_s=30, elastic_timeout_s=20, stop_timeout_s=15,
@@ -123,3 +123,20 @@ def test_stop_overdue(age, overdue):
 ])
 def test_ready_to_start(ready, min_w, max_w, quiet, start):
     assert decisions.ready_to_start(ready, min_w, max_w, quiet, 2.0) is start
+
+
+L, I, E = StartFailureKind.LOAD, StartFailureKind.INIT, StartFailureKind.RUNTIME_ENV
+
+
+@pytest.mark.parametrize("kinds, decisive", [
+    ([], None),
+    ([L], 0),              # a broken import fails alike everywhere: the first ends the run
+    ([I], None),           # a constructor error may be a node dying under it: replace the worker
+    ([I, I], 1),           # twice: deterministic
+    ([E], None), ([E, E], 1),
+    ([I, E], None),        # two different bad lucks
+    ([I, E, I], 2),
+    ([I, L], 1),
+])
+def test_start_failure_verdict(kinds, decisive):
+    assert start_failure_verdict(kinds) == decisive
