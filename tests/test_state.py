@@ -129,11 +129,11 @@ def test_reset_callbacks_and_sampler_repartition(solo_ring):
 
 
 def test_commit_without_a_pending_change_adds_one_small_collective(solo_ring, monkeypatch):
-    from elastic_ring import signature
+    from elastic_ring import collectives
 
     calls = []
-    real = signature.start_check
-    monkeypatch.setattr(signature, "start_check", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = collectives.start_check
+    monkeypatch.setattr(collectives, "start_check", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     state = ObjectState(step=0)
     state.commit()
     assert calls == ["State.commit"]
