@@ -20,6 +20,10 @@ every process shares two cores, so large worlds measure CPU contention as
 much as the protocol: read the slope as an upper bound.
 
     python -m benchmarks.scale [--worlds 2 4 8 16 32] [--reforms 3] [--recovery-worlds 2 4 6 8] [--skip-recovery]
+
+``--backend nccl`` runs part 1 only, with every rank on GPU 0 (NCCL's socket transport on loopback,
+``benchmarks/_launch.one_gpu_env``), and prints the table without drawing: one GPU time-slices its
+ranks, so read it as what forming and aborting NCCL communicators costs, not as a multi-GPU figure.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from benchmarks._launch import new_secret, ring_spec
+from benchmarks._launch import new_secret, one_gpu_env, ring_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KILL_STEP = 20
@@ -46,8 +50,12 @@ KILL_STEP = 20
 
 # ---------------------------------------------------------------- part 1: form and re-form
 
-def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int, queue) -> None:
+def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int, queue, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    extra = {}
+    if backend == "nccl":
+        os.environ.update(one_gpu_env(rank))
+        extra = {"backend": "nccl", "cuda_device": 0}
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
@@ -56,7 +64,7 @@ def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int,
             store.add(f"ready/{r}", 1)
             store.wait([f"go/{r}"])
             er.init(ring_spec(secret, round_id=r + 1, rank=rank, world_size=world, node_ids=("localhost",) * world,
-                              store=er.StoreAddress("127.0.0.1", port), job_id=f"scale-{world}"))
+                              store=er.StoreAddress("127.0.0.1", port), job_id=f"scale-{world}", **extra))
             formed.append(time.time())
             er.barrier()
             store.add(f"done/{r}", 1)
@@ -77,7 +85,7 @@ def _wait_count(store: dist.TCPStore, key: str, n: int, deadline: float, what: s
         time.sleep(0.001)
 
 
-def form_times(world: int, reforms: int, timeout_s: float = 600.0) -> tuple[float, list[float]]:
+def form_times(world: int, reforms: int, timeout_s: float = 600.0, backend: str = "gloo") -> tuple[float, list[float]]:
     """Seconds to form the first ring of ``world`` fresh processes, and each re-form after it."""
     # spawn, not a forkserver with torch preloaded: children forked from a process that imported torch
     # stall ~5 s on some connections at 16+ ranks (measured), which real workers (Ray actors) never do
@@ -86,7 +94,7 @@ def form_times(world: int, reforms: int, timeout_s: float = 600.0) -> tuple[floa
     queue = ctx.Queue()
     rounds = reforms + 1
     secret = new_secret()
-    procs = [ctx.Process(target=_member, args=(r, world, store.port, secret, rounds, queue), daemon=True)
+    procs = [ctx.Process(target=_member, args=(r, world, store.port, secret, rounds, queue, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -217,7 +225,11 @@ def main() -> None:
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--png", default=str(ROOT / "docs" / "scale.png"))
     parser.add_argument("--replot", metavar="JSON", help="only redraw --png from the numbers a previous run saved")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="nccl: part 1 only, every rank on GPU 0; prints, does not draw")
     args = parser.parse_args()
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        parser.error("--backend nccl: torch.cuda.is_available() is False on this machine")
     if args.replot:
         draw(pathlib.Path(args.png), json.loads(pathlib.Path(args.replot).read_text()))
         print(f"wrote {args.png}")
@@ -228,7 +240,7 @@ def main() -> None:
     first, reform = [], []
     print(f"{'ranks':>5} {'first ring s':>13} {'re-form s (median)':>19} {'re-forms':>30}", flush=True)
     for world in args.worlds:
-        f, rs = form_times(world, args.reforms)
+        f, rs = form_times(world, args.reforms, backend=args.backend)
         first.append(f)
         reform.append(statistics.median(rs))
         print(f"{world:>5} {f:>13.3f} {reform[-1]:>19.3f} {' '.join(f'{r:.3f}' for r in rs):>30}", flush=True)
@@ -237,6 +249,9 @@ def main() -> None:
           f"(intercepts {fit_first[0]:.3f} s, {fit_reform[0]:.3f} s); re-form at {args.worlds[-1]} ranks is "
           f"{reform[-1] / reform[0]:.1f}x the one at {args.worlds[0]}")
 
+    if args.backend == "nccl":
+        print(f"NCCL on one GPU ({torch.cuda.get_device_name(0)}), every rank on device 0; not drawn")
+        return
     recovery: dict[int, float] = {}
     if not args.skip_recovery:
         import ray

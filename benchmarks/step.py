@@ -16,9 +16,18 @@ as fast as DDP). A second table splits the median step into forward,
 backward (DDP waits for its allreduces at the end of backward) and
 ``step()`` (ours waits for its buckets there), which is what explains a row.
 
-    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3]
+    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3] [--device cuda] [--ddp-probe]
 
 A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optimizer instead of DDP: the cost of wrapping.
+
+``--device cuda`` runs the same table on ONE GPU: every rank on CUDA device 0, DDP over torch's NCCL
+process group, ours over elastic_ring's NCCL backend, both on NCCL's socket transport on loopback
+(``benchmarks/_launch.one_gpu_env``; NCCL refuses two ranks of a ring on one GPU otherwise). Each step
+ends with ``torch.cuda.synchronize()``; the phase split is then host time (launches), not GPU time.
+
+``--ddp-probe`` adds a fifth copy: DDP plus one 48-byte MAX allreduce per step, read on the host after
+``step()``, which is what our per-step check (alignment and the step's transaction vote) adds to a
+step. Its throughput relative to DDP prices the check on that transport.
 """
 
 from __future__ import annotations
@@ -93,8 +102,13 @@ def _model(workload: Workload) -> torch.nn.Module:
     return workload.make()
 
 
-def _train(model, opt, data, loss_fn, n, phases=None):
-    """``n`` steps; batches continue where this model's previous call stopped (``opt.batches_seen``)."""
+def _noop() -> None:
+    pass
+
+
+def _train(model, opt, data, loss_fn, n, phases=None, sync=_noop):
+    """``n`` steps; batches continue where this model's previous call stopped (``opt.batches_seen``).
+    ``sync`` ends each step (``torch.cuda.synchronize`` on a GPU, so that a step's time includes its kernels)."""
     times = []
     start = getattr(opt, "batches_seen", 0)
     opt.batches_seen = start + n
@@ -107,6 +121,7 @@ def _train(model, opt, data, loss_fn, n, phases=None):
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
+        sync()
         t3 = time.perf_counter()
         times.append(t3 - t0)
         if phases is not None:
@@ -115,27 +130,49 @@ def _train(model, opt, data, loss_fn, n, phases=None):
     return times
 
 
-def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None) -> dict:
+class _Probed:
+    """An optimizer wrapper for ``--ddp-probe``: DDP plus what our per-step check adds, one 48-byte MAX
+    allreduce per step, launched as the step starts and read on the host after ``step()``."""
+
+    def __init__(self, opt: torch.optim.Optimizer, device: torch.device) -> None:
+        self.opt, self.probe, self.work = opt, torch.zeros(6, dtype=torch.int64, device=device), None
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+        self.work = dist.all_reduce(self.probe, op=dist.ReduceOp.MAX, async_op=True)
+
+    def step(self) -> None:
+        self.opt.step()
+        self.work.wait()
+        self.probe.tolist()
+
+
+def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None,
+           device: str = "cpu", ddp_probe: bool = False) -> dict:
     workload = WORKLOADS[name]
     rank, world = er.rank(), er.size()
+    cuda = device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else _noop
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"ddp/{name}/{world}/", store), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"ddp/{name}/{world}/", store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
     g = torch.Generator().manual_seed(rank)
-    data = [(torch.randn(workload.batch, *workload.input_shape, generator=g), torch.randint(0, 10, (workload.batch,), generator=g))
-            for _ in range(8)]
+    data = [(torch.randn(workload.batch, *workload.input_shape, generator=g).to(dev),
+             torch.randint(0, 10, (workload.batch,), generator=g).to(dev)) for _ in range(8)]
     loss_fn = torch.nn.CrossEntropyLoss()
     sgd = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
 
-    baseline = _model(workload)
+    baseline = _model(workload).to(dev)
     if world > 1:
         with warnings.catch_warnings():  # torch 2.13 renames broadcast_buffers; False keeps its meaning here
             warnings.simplefilter("ignore", FutureWarning)
             ddp = torch.nn.parallel.DistributedDataParallel(baseline, broadcast_buffers=False,
-                                                            gradient_as_bucket_view=ddp_bucket_view)
+                                                            gradient_as_bucket_view=ddp_bucket_view,
+                                                            device_ids=[0] if cuda else None)
     else:
         ddp = baseline
-    ours_model, fixed_model, local_model = _model(workload), _model(workload), _model(workload)
+    ours_model, fixed_model, local_model = (_model(workload).to(dev) for _ in range(3))
     methods = {
         "ddp": (ddp, sgd(ddp.parameters())),
         "ours": (ours_model, er.DistributedOptimizer(sgd(ours_model.parameters()), ours_model.named_parameters())),
@@ -143,19 +180,26 @@ def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool,
                                                        autotune=False, first_bucket_bytes=fixed_first)),
         "local": (local_model, sgd(local_model.parameters())),
     }
+    if ddp_probe and world > 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            probed = torch.nn.parallel.DistributedDataParallel(_model(workload).to(dev), broadcast_buffers=False,
+                                                               gradient_as_bucket_view=ddp_bucket_view,
+                                                               device_ids=[0] if cuda else None)
+        methods["probe"] = (probed, _Probed(sgd(probed.parameters()), dev))
     ours_opt = methods["ours"][1]
     warmup = 0
     while ours_opt.autotune_result is None and warmup < max_warmup and world > 1:
-        warmup += len(_train(*methods["ours"], data, loss_fn, 1))
-    _train(*methods["ours"], data, loss_fn, 2)
-    for key in ("ddp", "fixed", "local"):  # the same number of steps on every model, so their parameters can be compared
-        _train(*methods[key], data, loss_fn, warmup + 2)
+        warmup += len(_train(*methods["ours"], data, loss_fn, 1, sync=sync))
+    _train(*methods["ours"], data, loss_fn, 2, sync=sync)
+    for key in [k for k in methods if k != "ours"]:  # the same number of steps on every model, so their parameters can be compared
+        _train(*methods[key], data, loss_fn, warmup + 2, sync=sync)
     times: dict[str, list[list[float]]] = {k: [] for k in methods}
     phases: dict[str, dict[str, list[float]]] = {k: {p: [] for p in PHASES} for k in methods}
     for _ in range(blocks):
         for key, (model, opt) in methods.items():
             er.barrier()
-            times[key].append(_train(model, opt, data, loss_fn, steps, phases[key]))
+            times[key].append(_train(model, opt, data, loss_fn, steps, phases[key], sync=sync))
     diff = max(max((a - b).abs().max().item() for a, b in zip(baseline.parameters(), m.parameters()))
                for m in (ours_model, fixed_model))
     dist.destroy_process_group()
@@ -172,9 +216,11 @@ def _bench(name: str, steps: int, blocks: int, port: int, ddp_bucket_view: bool,
     }
 
 
-def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None) -> dict:
+def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, max_warmup: int, fixed_first: int | None,
+         device: str = "cpu", ddp_probe: bool = False) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = run_ranks(_bench, world, name, steps, blocks, store.port, ddp_bucket_view, max_warmup, fixed_first)
+    results = run_ranks(_bench, world, name, steps, blocks, store.port, ddp_bucket_view, max_warmup, fixed_first, device,
+                        ddp_probe, backend="nccl" if device == "cuda" else "gloo")
     r0 = results[0]
     ddp_blocks, ours_blocks, fixed_blocks, local_blocks = (r0["times"][k] for k in ("ddp", "ours", "fixed", "local"))
     ratios = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, ours_blocks)]
@@ -182,7 +228,10 @@ def _row(name: str, world: int, steps: int, blocks: int, ddp_bucket_view: bool, 
     bound = [statistics.median(d) / statistics.median(o) for d, o in zip(ddp_blocks, local_blocks)]
     flat = lambda blocks_: statistics.median([t for b in blocks_ for t in b]) * 1e3  # noqa: E731
     params = sum(p.numel() for p in _model(WORKLOADS[name]).parameters())
-    return {"name": name, "world": world, "mib": params * 4 / 2**20, "ddp_ms": flat(ddp_blocks), "ours_ms": flat(ours_blocks),
+    probe = r0["times"].get("probe")
+    probe_ratio = None if probe is None else statistics.median(
+        [statistics.median(d) / statistics.median(p) for d, p in zip(ddp_blocks, probe)])
+    return {"probe_ratio": probe_ratio, "name": name, "world": world, "mib": params * 4 / 2**20, "ddp_ms": flat(ddp_blocks), "ours_ms": flat(ours_blocks),
             "fixed_ms": flat(fixed_blocks), "local_ms": flat(local_blocks), "bound": statistics.median(bound),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios), "fixed_ratio": statistics.median(fixed_ratios), "chosen": r0["chosen"],
@@ -200,14 +249,21 @@ def main() -> None:
     parser.add_argument("--ddp-bucket-view", action="store_true", help="DDP with gradient_as_bucket_view=True")
     parser.add_argument("--fixed-first-mib", type=float, default=None,
                         help="first_bucket_bytes of the 'ours fixed' column in MiB (default: the library's, 1 MiB; 0: none)")
+    parser.add_argument("--ddp-probe", action="store_true",
+                        help="also time DDP plus one 48-byte allreduce per step (what our per-step check adds)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: every rank on GPU 0, NCCL on both sides (socket transport on loopback)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     rows = []
     for spec in args.rows:
         name, _, world = spec.partition("@")
         if name not in WORKLOADS or not world.isdigit() or int(world) < 1:
             parser.error(f"--rows {spec!r}: use WORKLOAD@WORLD with WORKLOAD one of {', '.join(WORKLOADS)}")
         fixed_first = None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20)
-        rows.append(_row(name, int(world), args.steps, args.blocks, args.ddp_bucket_view, args.max_warmup, fixed_first))
+        rows.append(_row(name, int(world), args.steps, args.blocks, args.ddp_bucket_view, args.max_warmup, fixed_first,
+                         args.device, args.ddp_probe))
         print_tables(rows, args, partial=True)
     print_tables(rows, args, partial=False)
 
@@ -216,10 +272,13 @@ def print_tables(rows: list[dict], args, partial: bool) -> None:
     if partial:
         r = rows[-1]
         print(f"... {r['name']}@{r['world']}: ratio {r['ratio']:.3f} (blocks {r['ratio_min']:.2f}-{r['ratio_max']:.2f}), "
-              f"fixed {r['fixed_ratio']:.3f}, autotune {r['tuning']}", flush=True)
+              f"fixed {r['fixed_ratio']:.3f}, autotune {r['tuning']}"
+              + ("" if r["probe_ratio"] is None else f", DDP+probe/DDP thr {r['probe_ratio']:.3f}"), flush=True)
         return
     first = "1 MiB (default)" if args.fixed_first_mib is None else f"{args.fixed_first_mib:g} MiB"
-    print(f"\ngloo, {torch.get_num_threads()} threads available, 1 compute thread per rank, {args.blocks} blocks x "
+    where = ("gloo (CPU)" if args.device == "cpu" else
+             f"NCCL on one GPU ({torch.cuda.get_device_name(0)}; every rank on device 0, socket transport on loopback)")
+    print(f"\n{where}, {torch.get_num_threads()} threads available, 1 compute thread per rank, {args.blocks} blocks x "
           f"{args.steps} steps per method, interleaved; DDP gradient_as_bucket_view={args.ddp_bucket_view}; "
           f"'fixed' = autotune off, 16 MiB buckets, first bucket {first}")
     print(f"{'workload':<34} {'world':>5} {'grads MiB':>9} {'DDP ms':>8} {'ours ms':>8} {'ours/DDP thr':>12} "
@@ -231,6 +290,10 @@ def print_tables(rows: list[dict], args, partial: bool) -> None:
               f"{r['diff']:>8.1e} {r['local_ms']:>8.1f} {r['bound']:>8.3f}x")
     ratios = [r["ratio"] for r in rows]
     print(f"median over rows: {statistics.median(ratios):.3f}x; lowest row {min(ratios):.3f}x")
+    for r in rows:
+        if r["probe_ratio"] is not None:
+            print(f"{r['name']}@{r['world']}: DDP plus one 48-byte allreduce per step (the price of our check) runs at "
+                  f"{r['probe_ratio']:.3f}x DDP's throughput")
     print("DDP/local: how much faster than DDP a step with no communication at all is (the most any reducer could gain)")
     print("\nmedian phase times (ms): forward / backward / step()  -- DDP waits in backward, ours in step()")
     for r in rows:

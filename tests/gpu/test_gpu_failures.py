@@ -3,6 +3,7 @@
 (creation aborted, the process still forms the next ring), a graceful close (finalize, no abort) and an
 abort (empty_cache)."""
 
+import dataclasses
 import pathlib
 import signal
 import time
@@ -12,7 +13,7 @@ import torch
 
 import elastic_ring as er
 from elastic_ring.ops import ReduceOp
-from tests.process_ring import RankFailure
+from tests.process_ring import TEST_SECRET, RankFailure
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +96,7 @@ def test_sigstopped_peer_is_aborted_by_the_watchdog_within_collective_timeout(gp
 def _form_without_peer(host, port, rank, connect_timeout_s):
     spec = er.RingSpec(round_id=1, rank=rank, world_size=2, node_ids=("a", "b"), backend="nccl",
                        store=er.StoreAddress(host, port), job_id=f"gpu-absent-peer-{rank}",
-                       connect_timeout_s=connect_timeout_s, cuda_device=0)
+                       connect_timeout_s=connect_timeout_s, cuda_device=0, auth_key=TEST_SECRET)
     started = time.monotonic()
     try:
         er.init(spec)
@@ -133,9 +134,7 @@ def _close_then_abort():
         closed = (list(calls), time.monotonic() - started, comm.closed, comm.errored, comm._handle.alive)
         calls.clear()
         spec = comm.spec
-        nxt = er.RingSpec(round_id=spec.round_id, rank=spec.rank, world_size=spec.world_size,
-                          node_ids=spec.node_ids, store=spec.store, backend="nccl", job_id=spec.job_id + "-second",
-                          cuda_device=spec.cuda_device)
+        nxt = dataclasses.replace(spec, job_id=spec.job_id + "-second")
         comm2 = er.init(nxt)
         _sum_of_ranks()
         comm2.abort()
