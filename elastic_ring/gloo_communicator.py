@@ -6,7 +6,9 @@ user's own ``init_process_group`` and a process can form any number of rounds
 without restarting. Collectives run on gloo's own threads; ``Work.wait`` blocks
 with the round's timeout. ``abort`` closes the group's sockets, so peers blocked
 on this rank fail within milliseconds instead of waiting for their timeout
-(abort alone does not close them; dropping the group does).
+(abort alone does not close them; dropping the group does). The group is dropped
+on :mod:`elastic_ring.reaper`'s thread: destroying it costs about 10 ms per peer,
+which the next round's formation no longer waits for.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from . import reaper
 from .communicator import Communicator, Work
 from .constants import GLOO_THREADS
 from .errors import CommError
@@ -134,4 +137,5 @@ class GlooCommunicator(Communicator):
         pg.abort()
         for work in list(self._works):
             work.release()
-        del pg
+        reaper.drop(pg, f"the gloo group of {self.spec.identity}")
+        del pg  # the reaper's is now the last reference
