@@ -196,7 +196,8 @@ def draw(path: pathlib.Path, data: dict) -> None:
     ax = axes[0][0]
     ax.plot(worlds, first, "o-", color="tab:blue", label="first ring (fresh processes)")
     ax.plot(worlds, reform, "s-", color="tab:orange", label="re-form (median of 3)")
-    ax.plot(worlds, [a + b * w for w in worlds], ":", color="tab:orange", lw=1,
+    shown = [w for w in worlds if a + b * w > 0]  # the axis is logarithmic: draw the fit where it is positive
+    ax.plot(shown, [a + b * w for w in shown], ":", color="tab:orange", lw=1,
             label=f"re-form fit: {a * 1e3:.0f} ms + {b * 1e3:.1f} ms/rank")
     ax.set(xlabel="ranks (processes on one 2-core VM)", ylabel="seconds (log)", title="gloo ring formation, no Ray")
     ax.set_xscale("log", base=2)
