@@ -4,11 +4,13 @@ The group is an explicit ``ProcessGroupGloo`` object on a ``PrefixStore`` with
 the round's prefix, never the global default group, so it coexists with a
 user's own ``init_process_group`` and a process can form any number of rounds
 without restarting. Collectives run on gloo's own threads; ``Work.wait`` blocks
-with the round's timeout. ``abort`` closes the group's sockets, so peers blocked
-on this rank fail within milliseconds instead of waiting for their timeout
-(abort alone does not close them; dropping the group does). The group is dropped
-on :mod:`elastic_ring.reaper`'s thread: destroying it costs about 10 ms per peer,
-which the next round's formation no longer waits for.
+with the round's timeout. ``abort`` drops the group, which closes its sockets,
+so peers blocked on this rank fail within milliseconds instead of waiting for
+their timeout (gloo's abort alone does not close them). The group is dropped on
+a :mod:`elastic_ring.reaper` thread, at once: destroying it costs about 10 ms per
+peer, which the next round's formation no longer waits for. The sockets close
+when that destruction ends; a collective still queued on the group is finished
+or failed first, as it was when the caller itself destroyed the group.
 """
 
 from __future__ import annotations
@@ -133,9 +135,9 @@ class GlooCommunicator(Communicator):
         # would wait for its full timeout; destroying the group closes them, so
         # the peer fails within milliseconds (measured: 8 s -> 0.02 s).
         # Works in flight hold the group's context too, so they are released as well.
-        pg, self._pg = self._pg, None
-        pg.abort()
+        box, self._pg = [self._pg], None  # the box holds the only reference; the reaper takes it
+        box[0].abort()
         for work in list(self._works):
             work.release()
-        reaper.drop(pg, f"the gloo group of {self.spec.identity}")
-        del pg  # the reaper's is now the last reference
+        # Its destructor waits for collectives still queued (they fail or time out), then closes the pairs.
+        reaper.drop(box, f"the gloo group of {self.spec.identity}", self.spec.collective_timeout_s)

@@ -3,58 +3,67 @@
 Destroying a gloo group joins its threads and closes one pair of sockets per
 peer; measured on 2 cores, that took about 10 ms per peer (20 ms at 2 ranks,
 80 ms at 8, 160 ms at 16), paid by every survivor at every failure and every
-re-form, before it could form the next ring. The sockets must still close at
-once (a peer blocked on this rank fails only then), but nothing has to wait for
-it: :func:`drop` hands the last reference to one daemon thread, which lets it go
-there (torch releases the GIL while it destroys a process group).
+re-form, before it could form the next ring. :func:`drop` hands the group to a
+short-lived daemon thread of its own, which lets it go there (torch releases
+the GIL while it destroys a process group). One thread per group, so a
+teardown that has to wait (a collective still in flight finishes or times out
+first) never holds up the next one.
 
-A destructor cannot raise into the thread that drops the reference (Python hands
-such errors to ``sys.unraisablehook``); anything else that goes wrong in the
-loop is captured, logged with the label of the group it was tearing down and
-kept in ``failures``, and the thread goes on. Nothing waits on it except
-:func:`drain`, which has a deadline, and the exit hook, which gives it two
-seconds.
+Ownership moves in a one-element list: the caller puts its only reference in
+the box and keeps none, the thread pops it, so the object dies on that thread
+and :func:`drain` returns only once it is gone.
 
-The caller must let go of its own reference right after :func:`drop` (``del``):
-it still holds the GIL then, so in practice the object dies on the reaper
-thread; if the caller were preempted in between, it would die on the caller's
-thread, as it did before this module existed.
+Everything the thread meets is caught: logged with the group's label, kept in
+``failures``, and the pending count is released in ``finally``, so nothing that
+waits on it (:func:`drain`, which has a deadline) can wait for a dead thread.
+A destructor cannot raise into the thread itself (Python hands such errors to
+``sys.unraisablehook``, which prints them).
+
+At exit, pending teardowns get until the latest of their own deadlines (each
+group's collective timeout, plus a margin), so the interpreter does not shut
+down under a thread that is inside a destructor; what is still pending then is
+logged by label. A forked child starts with a fresh reaper: it must not destroy
+its parent's groups (their threads do not exist in the child).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import queue
+import os
 import threading
 import time
 from typing import Any
 
 _log = logging.getLogger(__name__)
 
-#: How long the exit hook lets pending teardowns run before the process goes.
+#: The least the exit hook waits for pending teardowns, and the margin it adds to their own deadlines.
 EXIT_DRAIN_S = 2.0
 
 
 class Reaper:
-    """One daemon thread that drops the objects it is handed, oldest first."""
+    """Drops the objects it is handed, each on a daemon thread of its own."""
 
     def __init__(self, name: str = "elastic-ring-reaper") -> None:
-        self._queue: "queue.SimpleQueue[tuple[Any, str]]" = queue.SimpleQueue()
-        self._pending = 0
         self._cond = threading.Condition()
+        self._pending: dict[int, tuple[str, float]] = {}  # ticket -> (label, deadline on the monotonic clock)
+        self._tickets = 0
         self._name = name
-        self._thread: threading.Thread | None = None
         self.failures: list[str] = []  # what went wrong, newest last (also logged)
 
-    def drop(self, obj: Any, label: str) -> None:
-        """Release ``obj`` (the caller's last reference) on the reaper thread. ``label`` names it in logs."""
+    def drop(self, box: list, label: str, within_s: float) -> None:
+        """Release the one object in ``box`` (the caller's only reference) on a new daemon thread.
+
+        ``label`` names it in logs; ``within_s`` is how long its teardown may legitimately take
+        (a collective still in flight finishes or times out first): the exit hook waits that long.
+        """
+        if len(box) != 1:
+            raise ValueError(f"reaper.drop takes a list holding exactly one object, got {len(box)}")
         with self._cond:
-            self._pending += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-        self._queue.put((obj, label))
+            self._tickets += 1
+            ticket = self._tickets
+            self._pending[ticket] = (label, time.monotonic() + within_s)
+        threading.Thread(target=self._run, args=(box, ticket, label), name=self._name, daemon=True).start()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until everything handed over so far is released; False if ``timeout_s`` passed first."""
@@ -67,32 +76,49 @@ class Reaper:
                 self._cond.wait(left)
         return True
 
-    @property
-    def pending(self) -> int:
-        return self._pending
+    def drain_at_exit(self, least_s: float = EXIT_DRAIN_S) -> bool:
+        """Wait for pending teardowns up to the latest of their deadlines (at least ``least_s``);
+        log the labels of those still pending. True if none is."""
+        with self._cond:
+            deadlines = [deadline for _, deadline in self._pending.values()]
+        if not deadlines:
+            return True
+        wait_s = max(least_s, max(deadlines) - time.monotonic() + least_s)
+        if self.drain(wait_s):
+            return True
+        with self._cond:
+            labels = [label for label, _ in self._pending.values()]
+        _log.warning("exiting while %d group teardown(s) still run after %.1f s: %s", len(labels), wait_s,
+                     "; ".join(labels))
+        return False
 
-    def _run(self) -> None:
-        while True:
-            obj, label = self._queue.get()
-            try:
-                started = time.monotonic()
-                obj = None  # the last reference: the destructor runs here, on this thread
-                _log.debug("tore down %s in %.3f s", label, time.monotonic() - started)
-            except Exception as exc:  # noqa: BLE001 - logged and kept; the thread must outlive it
-                self.failures.append(f"{label}: {type(exc).__name__}: {exc}")
-                _log.warning("tearing down %s failed: %s: %s", label, type(exc).__name__, exc)
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+    @property
+    def pending(self) -> list[str]:
+        """Labels of the teardowns still running."""
+        with self._cond:
+            return [label for label, _ in self._pending.values()]
+
+    def _run(self, box: list, ticket: int, label: str) -> None:
+        try:
+            started = time.monotonic()
+            obj = box.pop()
+            del obj  # the last reference: the destructor runs here, on this thread
+            _log.debug("tore down %s in %.3f s", label, time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - logged and kept; drain must still be released
+            self.failures.append(f"{label}: {type(exc).__name__}: {exc}")
+            _log.warning("tearing down %s failed: %s: %s", label, type(exc).__name__, exc)
+        finally:
+            with self._cond:
+                self._pending.pop(ticket, None)
+                self._cond.notify_all()
 
 
 _reaper = Reaper()
 
 
-def drop(obj: Any, label: str) -> None:
-    """Release ``obj`` on the process's reaper thread (see the module docstring)."""
-    _reaper.drop(obj, label)
+def drop(box: list, label: str, within_s: float) -> None:
+    """Release the one object in ``box`` on a reaper thread (see the module docstring)."""
+    _reaper.drop(box, label, within_s)
 
 
 def drain(timeout_s: float) -> bool:
@@ -100,4 +126,15 @@ def drain(timeout_s: float) -> bool:
     return _reaper.drain(timeout_s)
 
 
-atexit.register(drain, EXIT_DRAIN_S)
+def _at_exit() -> None:
+    _reaper.drain_at_exit()
+
+
+def _after_fork_in_child() -> None:
+    # What the parent was tearing down belongs to the parent; the child leaks its copies.
+    global _reaper
+    _reaper = Reaper()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
