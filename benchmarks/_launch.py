@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.nccl_communicator import shared_gpu_env
 
 
 def new_secret() -> bytes | None:
@@ -26,22 +27,22 @@ def ring_spec(secret: bytes | None, **fields: Any) -> er.RingSpec:
     return er.RingSpec(**fields)
 
 
-def one_gpu_env(rank: int) -> dict[str, str]:
-    """NCCL settings that let several ranks share GPU 0: each rank claims its own host (``NCCL_HOSTID``),
-    and with P2P and shared memory off they talk over NCCL's socket transport on loopback. Slower than
-    real multi-GPU links, but DDP and ours ride the same transport, so their ratio is fair."""
-    return {"NCCL_HOSTID": f"elastic-ring-bench-host{rank}", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
-            "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
+def backend_fields(backend: str, rank: int) -> dict[str, Any]:
+    """The RingSpec fields of ``backend`` for this rank process. For ``"nccl"`` every rank runs on GPU 0
+    and this process's environment gets NCCL's shared-GPU settings (``shared_gpu_env``: socket transport
+    on loopback, slower than real multi-GPU links, but DDP and ours ride the same one)."""
+    if backend != "nccl":
+        return {}
+    os.environ.update(shared_gpu_env(rank, host_prefix="elastic-ring-bench-host"))
+    return {"backend": "nccl", "cuda_device": 0}
 
 
 def _main(fn, rank, world, port, secret, args, queue, backend):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if backend == "nccl":
-        os.environ.update(one_gpu_env(rank))
+    extra = backend_fields(backend, rank)
     import torch
 
     torch.set_num_threads(1)
-    extra = {"backend": "nccl", "cuda_device": 0} if backend == "nccl" else {}
     er.init(ring_spec(secret, round_id=1, rank=rank, world_size=world, node_ids=("localhost",) * world,
                       store=er.StoreAddress("127.0.0.1", port), collective_timeout_s=600, **extra))
     try:
@@ -52,7 +53,7 @@ def _main(fn, rank, world, port, secret, args, queue, backend):
 
 def run_ranks(fn: Callable, world: int, *args, backend: str = "gloo") -> list[Any]:
     """``fn(*args)`` on ``world`` processes; returns each rank's result, by rank. With
-    ``backend="nccl"`` every rank runs on CUDA device 0 (:func:`one_gpu_env`)."""
+    ``backend="nccl"`` every rank runs on CUDA device 0 (:func:`backend_fields`)."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     queue = ctx.Queue()

@@ -22,7 +22,7 @@ much as the protocol: read the slope as an upper bound.
     python -m benchmarks.scale [--worlds 2 4 8 16 32] [--reforms 3] [--recovery-worlds 2 4 6 8] [--skip-recovery]
 
 ``--backend nccl`` runs part 1 only, with every rank on GPU 0 (NCCL's socket transport on loopback,
-``benchmarks/_launch.one_gpu_env``), and prints the table without drawing: one GPU time-slices its
+``elastic_ring.nccl_communicator.shared_gpu_env``), and prints the table without drawing: one GPU time-slices its
 ranks, so read it as what forming and aborting NCCL communicators costs, not as a multi-GPU figure.
 """
 
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from benchmarks._launch import new_secret, one_gpu_env, ring_spec
+from benchmarks._launch import backend_fields, new_secret, ring_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KILL_STEP = 20
@@ -52,10 +52,7 @@ KILL_STEP = 20
 
 def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int, queue, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    extra = {}
-    if backend == "nccl":
-        os.environ.update(one_gpu_env(rank))
-        extra = {"backend": "nccl", "cuda_device": 0}
+    extra = backend_fields(backend, rank)
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)

@@ -111,6 +111,16 @@ def set_eager_connect(environ: "os._Environ[str] | dict[str, str]" = os.environ)
     return True
 
 
+def shared_gpu_env(slot: int, host_prefix: str = "elastic-ring-host") -> dict[str, str]:
+    """NCCL settings for the rank process in ``slot`` when several ranks share one GPU (development,
+    tests, benchmarks): NCCL refuses two ranks of a communicator on one device ("Duplicate GPU
+    detected") unless each claims its own host (a distinct ``NCCL_HOSTID``); with P2P and shared
+    memory off, the ranks talk over NCCL's socket transport on loopback. Apply it to ``os.environ``
+    before the process forms its first communicator. See docs/gpu.md."""
+    return {"NCCL_HOSTID": f"{host_prefix}{slot}", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+            "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def check_nonblocking_allowed(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
     """``NCCL_COMM_BLOCKING=1`` would override our non-blocking config: creation could then
     block forever on a missing peer, out of the watchdog's reach. Refuse it."""

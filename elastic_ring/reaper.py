@@ -29,6 +29,7 @@ its parent's groups (their threads do not exist in the child).
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import threading
@@ -47,7 +48,7 @@ class Reaper:
     def __init__(self, name: str = "elastic-ring-reaper") -> None:
         self._cond = threading.Condition()
         self._pending: dict[int, tuple[str, float]] = {}  # ticket -> (label, deadline on the monotonic clock)
-        self._tickets = 0
+        self._tickets = itertools.count(1)
         self._name = name
         self.failures: list[str] = []  # what went wrong, newest last (also logged)
 
@@ -59,9 +60,8 @@ class Reaper:
         """
         if len(box) != 1:
             raise ValueError(f"reaper.drop takes a list holding exactly one object, got {len(box)}")
+        ticket = next(self._tickets)
         with self._cond:
-            self._tickets += 1
-            ticket = self._tickets
             self._pending[ticket] = (label, time.monotonic() + within_s)
         threading.Thread(target=self._run, args=(box, ticket, label), name=self._name, daemon=True).start()
 

@@ -5,7 +5,7 @@ detected"), unless each rank claims to be its own host: a distinct
 ``NCCL_HOSTID`` per rank process, with the GPU-to-GPU transports off
 (``NCCL_P2P_DISABLE=1``, ``NCCL_SHM_DISABLE=1``) so that the ranks talk over
 NCCL's socket transport on loopback (``NCCL_SOCKET_IFNAME=lo``,
-``NCCL_IB_DISABLE=1``, ``NCCL_NET=Socket``). :func:`rank_env` is that recipe;
+``NCCL_IB_DISABLE=1``, ``NCCL_NET=Socket``). :func:`rank_env` is that recipe (``elastic_ring.nccl_communicator.shared_gpu_env``);
 :class:`GpuRing` starts each rank process with it (``spawn``: CUDA and fork do
 not mix) and otherwise behaves like the CPU tests' :class:`ProcessRing`.
 """
@@ -20,18 +20,14 @@ import time
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.nccl_communicator import shared_gpu_env
 from tests.process_ring import ProcessRing, _worker_main
 
 
 def rank_env(slot: int) -> dict[str, str]:
     """The environment of the rank process in ``slot``: one fake host per rank, sockets on loopback."""
     return {
-        "NCCL_HOSTID": f"elastic-ring-test-host{slot}",
-        "NCCL_P2P_DISABLE": "1",
-        "NCCL_SHM_DISABLE": "1",
-        "NCCL_IB_DISABLE": "1",
-        "NCCL_NET": "Socket",
-        "NCCL_SOCKET_IFNAME": "lo",
+        **shared_gpu_env(slot, host_prefix="elastic-ring-test-host"),
         "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
         "OMP_NUM_THREADS": "1",
     }
