@@ -17,6 +17,8 @@ from .devices import check_gpus_per_worker
 _OWNER = "ElasticTrainer"
 #: The persistence cadence used when only checkpoint_uri is given (plus a checkpoint at every stop and drain).
 DEFAULT_CHECKPOINT_EVERY_S = 300.0
+#: lease_ttl_s bounds: renewals (every ttl / 5) must be able to retry a blip; a successor waits at most the upper.
+LEASE_TTL_RANGE_S = (1.0, 120.0)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,9 @@ class TrainerConfig:
     checkpoint_every_s: float | None = None
     checkpoint_keep_last: int = 3
     trusted_checkpoints: bool = False
+    lease_ttl_s: float = 15.0
     max_failures: int = 10
+    failure_window_s: float = 3600.0
     start_timeout_s: float = 120.0
     elastic_timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
@@ -82,7 +86,7 @@ class TrainerConfig:
                 )
         self._check_checkpoints()
         check_int(_OWNER, "max_failures", self.max_failures, minimum=0)
-        for name in ("start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
+        for name in ("failure_window_s", "start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
                      "heartbeat_timeout_s", "collective_timeout_s", "stop_timeout_s"):
             check_number(_OWNER, name, getattr(self, name), unit="seconds")
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
@@ -112,6 +116,12 @@ class TrainerConfig:
             check_number(_OWNER, "checkpoint_every_s", self.checkpoint_every_s, unit="seconds")
         check_int(_OWNER, "checkpoint_keep_last", self.checkpoint_keep_last, minimum=1)
         check_bool(_OWNER, "trusted_checkpoints", self.trusted_checkpoints)
+        check_number(_OWNER, "lease_ttl_s", self.lease_ttl_s, unit="seconds")
+        if not LEASE_TTL_RANGE_S[0] <= self.lease_ttl_s <= LEASE_TTL_RANGE_S[1]:
+            raise ValueError(
+                f"ElasticTrainer lease_ttl_s={self.lease_ttl_s} must be in [{LEASE_TTL_RANGE_S[0]:g}, "
+                f"{LEASE_TTL_RANGE_S[1]:g}] seconds: the lease is renewed every lease_ttl_s / 5 and counts as lost "
+                "only after renewals failed for lease_ttl_s; a crashed run's successor waits lease_ttl_s to take over")
         if self.checkpoint_uri is None:
             for name in ("checkpoint_every_n_commits", "checkpoint_every_s"):
                 if getattr(self, name) is not None:
@@ -143,4 +153,5 @@ class TrainerConfig:
         return Limits(heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
                       collective_timeout_s=self.collective_timeout_s, connect_timeout_s=self.connect_timeout_s,
                       capacity_wait_s=self.elastic_timeout_s, stop_timeout_s=self.stop_timeout_s,
-                      min_workers=self.min_workers, max_workers=self.max_workers, max_failures=self.max_failures)
+                      min_workers=self.min_workers, max_workers=self.max_workers, max_failures=self.max_failures,
+                      failure_window_s=self.failure_window_s)

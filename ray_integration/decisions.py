@@ -32,6 +32,7 @@ class Limits:
     min_workers: int
     max_workers: int
     max_failures: int
+    failure_window_s: float = 3600.0  # failures older than this (driver clock) no longer count
 
     @property
     def suspect_after_s(self) -> float:
