@@ -62,8 +62,10 @@ class Rendezvous(Protocol):
         ...
 
     # Optional: ``synced()``, called after every completed ``state.sync()`` (a driver picks roots among
-    # ranks that hold the state); ``stop_pending() -> bool``: True when the job stops in the current round
-    # (the loop then commits at once after the sync, and the state's commit ends the run).
+    # ranks that hold the state); ``reform_after_sync() -> bool``: True when the current round only hands
+    # the state over (the loop re-forms right after the sync, for a membership change); ``stop_pending()
+    # -> bool``: True when the job stops in the current round (the loop then commits at once after the
+    # sync, and the state's commit ends the run).
 
 
 _rendezvous: Rendezvous | None = None
@@ -133,6 +135,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     exc.live_state_consistent = True
                     raise
                 _ask("synced")
+                if _ask("reform_after_sync", False):  # a handover round: its leavers gave the state, now they go
+                    reason = "membership"
+                    continue
                 if _ask("stop_pending", False):
                     state.commit()  # the state's commit persists and ends the run on every rank of this round
                 return func(state, *args, **kwargs)

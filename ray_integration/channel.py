@@ -31,8 +31,10 @@ RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 
 
-def with_retries(op: Callable[[], T], what: str, retries: int = RETRIES) -> T:
-    """``op()``, retried on store errors with exponential backoff; the last error is re-raised with ``what``."""
+def with_retries(op: Callable[[], T], what: str, retries: int = RETRIES,
+                 on_error: Callable[[BaseException], None] | None = None) -> T:
+    """``op()``, retried on store errors with exponential backoff; the last error is re-raised with ``what``.
+    ``on_error(exc)`` runs before each retry (e.g. to reconnect a broken store connection)."""
     delay = RETRY_BASE_S
     for attempt in range(retries + 1):
         try:
@@ -42,24 +44,44 @@ def with_retries(op: Callable[[], T], what: str, retries: int = RETRIES) -> T:
                 raise type(exc)(f"{what} failed after {retries + 1} attempts: {exc}") from exc
             time.sleep(delay)
             delay = min(delay * 2, RETRY_CAP_S)
+            if on_error is not None:
+                try:
+                    on_error(exc)
+                except (RuntimeError, OSError) as again:  # still unreachable: the next attempt says so
+                    exc.__context__ = again
     raise AssertionError("unreachable")
 
 
 class Channel:
-    """One party's sealed messages. ``store`` must not be shared with a thread that blocks on it."""
+    """One party's sealed messages. ``store`` must not be shared with a thread that blocks on it.
+    ``connect()``, if given, makes a fresh store connection: a broken one is replaced before a retry."""
 
-    def __init__(self, store: dist.Store, secret: bytes, sender: str) -> None:
-        self._store, self._secret, self.sender = store, secret, sender
+    def __init__(self, store: dist.Store, secret: bytes, sender: str,
+                 connect: Callable[[], dist.Store] | None = None) -> None:
+        self._store, self._secret, self.sender, self._connect = store, secret, sender, connect
         self._lock = threading.Lock()
         self._sent = 0
         self._seen: dict[str, int] = {}
         self.forged = 0
+        self.reconnects = 0
+
+    def _reconnect(self, exc: BaseException) -> None:
+        if self._connect is not None and not isinstance(exc, dist.DistStoreError):  # a timeout is no broken link
+            self._store = self._connect()
+            self.reconnects += 1
 
     def send(self, queue_key: str, kind: str, **fields: Any) -> None:
         with self._lock:
             self._sent += 1
             text = seal_json(self._secret, queue_key, {"from": self.sender, "n": self._sent, "k": kind, **fields})
-            with_retries(lambda: self._store.queue_push(queue_key, text), f"sending {kind} to {queue_key}")
+            with_retries(lambda: self._store.queue_push(queue_key, text), f"sending {kind} to {queue_key}",
+                         on_error=self._reconnect)
+
+    def pending(self, queue_key: str) -> int:
+        """How many messages wait in ``queue_key`` (read by nobody yet)."""
+        with self._lock:
+            return int(with_retries(lambda: self._store.queue_len(queue_key), f"reading the length of {queue_key}",
+                                    on_error=self._reconnect))
 
     def verify(self, queue_key: str, raw: bytes) -> dict | None:
         """The message in ``raw`` if it is genuine and new, else None (forgeries are counted)."""
@@ -83,13 +105,18 @@ class Channel:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self._store.set_timeout(datetime.timedelta(seconds=remaining))
             try:
+                self._store.set_timeout(datetime.timedelta(seconds=remaining))
                 raw = self._store.queue_pop(queue_key)
             except dist.DistStoreError:
                 if time.monotonic() >= deadline - 0.01:
                     return None  # the wait timed out
                 raise
+            except (RuntimeError, OSError) as exc:  # the connection broke: reconnect once and wait again
+                if self._connect is None:
+                    raise
+                self._reconnect(exc)
+                continue
             msg = self.verify(queue_key, raw)
             if msg is not None:
                 return msg

@@ -56,29 +56,87 @@ class MemberView:
     leaving: bool = False        # its node drains: it leaves at the next commit
     has_state: bool = False      # it completed a sync
     silent_s: float | None = None  # since its heartbeat counter last advanced (driver clock); None: no beat yet
+    leave_in_s: float | None = None  # leaving: time left before its node's drain deadline (None: no deadline known)
 
     @property
     def alive(self) -> bool:
         return not self.dead
 
 
-def kill_cause(m: MemberView, limits: Limits, failure_age_s: float | None) -> str | None:
+@dataclass(frozen=True)
+class Kill:
+    """Why a member must go. ``confirm``: a verdict from silence alone, which the driver first checks
+    through Ray (:func:`after_probe`): a frozen or lost process does not answer there, a live one whose
+    messages do not reach the driver does."""
+
+    cause: str
+    confirm: bool = True
+
+
+def kill_cause(m: MemberView, limits: Limits, failure_age_s: float | None) -> Kill | None:
     """Why ``m`` must be killed now, or None. ``failure_age_s``: since its peers reported a failure or
-    began re-forming (None while the ring runs normally)."""
+    began re-forming after one (None while the ring runs normally, and while it re-forms for a
+    membership change: a member still away then is doing work the driver asked for, a commit's
+    durable write, which has its own deadline)."""
     if m.dead or m.finished:
         return None
     if m.silent_s is not None and m.silent_s > limits.heartbeat_timeout_s:
-        return f"no heartbeat for {m.silent_s:.1f} s (heartbeat_timeout_s={limits.heartbeat_timeout_s})"
+        return Kill(f"no heartbeat for {m.silent_s:.1f} s (heartbeat_timeout_s={limits.heartbeat_timeout_s})")
     if failure_age_s is None or m.waiting is not None:
         return None
     if m.silent_s is not None and m.silent_s > limits.suspect_after_s:
-        return f"silent for {m.silent_s:.1f} s while its peers re-formed the ring (presumed dead)"
+        return Kill(f"silent for {m.silent_s:.1f} s while its peers re-formed the ring (presumed dead)")
     if failure_age_s > limits.stuck_after_s:
-        return (f"stuck in user code: its heartbeats arrive, but it did not reach the rendezvous within "
-                f"{limits.stuck_after_s:.0f} s (collective_timeout_s={limits.collective_timeout_s} + "
-                f"connect_timeout_s={limits.connect_timeout_s} + {STUCK_GRACE_S}) after its peers began "
-                "re-forming (a hang or deadlock in fn, or a collective called on only some ranks)")
+        return Kill(f"stuck in user code: its heartbeats arrive, but it did not reach the rendezvous within "
+                    f"{limits.stuck_after_s:.0f} s (collective_timeout_s={limits.collective_timeout_s} + "
+                    f"connect_timeout_s={limits.connect_timeout_s} + {STUCK_GRACE_S}) after its peers began "
+                    "re-forming (a hang or deadlock in fn, or a collective called on only some ranks)", confirm=False)
     return None
+
+
+class Probe(enum.Enum):
+    """What Ray said when the driver asked a silent worker's actor to answer (within ``PROBE_S``)."""
+
+    PENDING = "pending"        # asked, no answer yet, still within PROBE_S
+    ANSWERED = "answered"      # it answered: the process runs, its messages do not reach the driver
+    UNANSWERED = "unanswered"  # no answer within PROBE_S: frozen, or its node is gone
+
+
+class Verdict(enum.Enum):
+    WAIT = "wait"      # ask again at the next tick
+    KILL = "kill"
+    UNHEARD = "unheard"  # alive, but its messages are lost: give it a fresh grace and count it
+
+
+def after_probe(probe: Probe) -> Verdict:
+    """A silence verdict, once Ray has been asked whether the process still answers."""
+    return {Probe.PENDING: Verdict.WAIT, Probe.ANSWERED: Verdict.UNHEARD, Probe.UNANSWERED: Verdict.KILL}[probe]
+
+
+#: A worker found alive through Ray while none of its messages reached the driver this many times in a row
+#: (each after a whole heartbeat_timeout_s) means something removes the job's messages: the run ends naming it.
+UNHEARD_TO_FAIL = 2
+
+
+def unheard_verdict(worker_id: str, times: int, forged: int) -> str | None:
+    """The run's error once a live worker's messages went missing ``times`` times in a row, else None."""
+    if times < UNHEARD_TO_FAIL:
+        return None
+    return (f"worker {worker_id} answers through Ray, but none of its messages reached the driver for "
+            f"{times} heartbeat timeouts in a row, and {forged} messages that failed authentication were dropped: "
+            "something that is not part of the job takes or corrupts messages in the job's rendezvous store "
+            "(tampering), or the worker's connection to it is broken. See docs/security.md: restrict who can "
+            "reach the driver node's ports (bind_address, a firewall)")
+
+
+def driver_stalled(gap_s: float, limits: Limits) -> bool:
+    """The driver's own loop did not run for ``gap_s`` (a GC pause, a stopped or starved process):
+    the workers' silence during it is the driver's, so every worker gets a fresh grace."""
+    return gap_s > max(STALL_GAP_MIN_S, 2 * limits.heartbeat_interval_s)
+
+
+#: The driver loop wakes at least every 0.1 s; a gap longer than this (or two heartbeats) is a stall of its own.
+STALL_GAP_MIN_S = 1.0
 
 
 class Outcome(enum.Enum):
@@ -102,11 +160,19 @@ def running_outcome(members: list[MemberView]) -> Outcome:
 
 class Step(enum.Enum):
     WAIT = "wait"        # not everyone is at the rendezvous yet, or capacity may still come
-    FORM = "form"        # form the next ring of `staying` (+ joiners)
-    FORM_STOP = "form_stop"  # form it of `staying` only, told to commit durably and stop right after the sync
+    FORM = "form"        # form the next ring of `staying` (+ joiners); with no holder left, it resumes from the checkpoint
+    HANDOVER = "handover"  # only leaving members hold the state: form a ring of them + staying + joiners that
+                           # syncs the state to the others, then re-forms at once without the leavers
+    RELEASE = "release"  # leaving holders cannot wait longer and the state is in a durable checkpoint: let them go
+    FORM_STOP = "form_stop"  # form it of `staying` (or the leaving holders) only, told to commit durably and stop
     FINISH = "finish"    # some members returned from fn and the rest are lost or waiting: the job is done
     STOPPED = "stopped"  # stop requested and nothing left to save
     FAIL = "fail"
+
+
+#: A leaving holder with no taker is let go (its state is in the drain commit's checkpoint) this long before its
+#: node's drain deadline, so that it leaves by itself rather than being killed with the node.
+DRAIN_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -116,35 +182,69 @@ class ReformDecision:
 
 
 def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_had_state: bool,
-                    waited_s: float, limits: Limits) -> ReformDecision:
-    """The re-forming ring's next step. ``waited_s``: since the re-form began (driver clock)."""
+                    waited_s: float, limits: Limits, checkpoint: bool = False) -> ReformDecision:
+    """The re-forming ring's next step. ``waited_s``: since the re-form began (driver clock);
+    ``checkpoint``: a durable checkpoint of the job's state exists (written or resumed in this run)."""
     alive = [m for m in members if m.alive]
     if any(m.finished for m in alive) and all(m.finished or m.waiting is not None for m in alive):
         return ReformDecision(Step.FINISH)
     staying = [m for m in alive if not m.leaving and not m.finished]
-    leaving = [m for m in alive if m.leaving]
-    if not all(m.waiting is not None for m in staying) or not all(m.waiting is not None or m.finished
-                                                                  for m in leaving):
+    leaving = [m for m in alive if m.leaving and not m.finished]
+    if not all(m.waiting is not None for m in staying + leaving):
         return ReformDecision(Step.WAIT)
-    if not any(m.has_state for m in staying) and ever_had_state:
-        if stop:
-            return ReformDecision(Step.STOPPED, "every worker that held the job's state was lost; nothing in memory "
-                                                "to save (the newest durable checkpoint stays the newest)")
-        return ReformDecision(Step.FAIL, (
-            "every worker that held the job's state was lost at once (the rest had just joined and not yet received "
-            "it); nothing in memory can be recovered. With checkpoint_uri set, run the same script again to resume "
-            "from the newest checkpoint"))
+    keepers = [m for m in leaving if m.has_state]   # leaving, but they hold the state: hand it over first
+    if any(m.has_state for m in staying) or not ever_had_state:
+        return _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits)
+    if stop:
+        if keepers:
+            return ReformDecision(Step.FORM_STOP)   # the leaving holders commit durably and stop
+        return ReformDecision(Step.STOPPED, "every worker that held the job's state was lost; nothing in memory "
+                                            "to save (the newest durable checkpoint stays the newest)")
+    if keepers:
+        return _handover(keepers, len(staying) + joiners, checkpoint, waited_s, limits)
+    if checkpoint:   # every holder is gone, but the state is durable: resume from it in this run
+        return _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits, resume=True)
+    return ReformDecision(Step.FAIL, (
+        "every worker that held the job's state was lost at once (the rest had just joined and not yet received "
+        "it), and no durable checkpoint exists; nothing can be recovered. Set checkpoint_uri to resume after "
+        "such losses"))
+
+
+def _form_or_wait(available: int, stop: bool, staying: list[MemberView], waited_s: float, limits: Limits,
+                  resume: bool = False) -> ReformDecision:
     if stop:
         return ReformDecision(Step.FORM_STOP) if staying else ReformDecision(
             Step.STOPPED, "no worker left to save the last commit (the newest durable checkpoint stays the newest)")
-    if len(staying) + joiners < limits.min_workers:
+    if available < max(1, limits.min_workers):
         if waited_s > limits.capacity_wait_s:
+            kept = (" The job's state is in the newest durable checkpoint: run the same script again to resume."
+                    if resume else "")
             return ReformDecision(Step.FAIL, (
-                f"only {len(staying) + joiners} workers left, below min_workers={limits.min_workers}, and no capacity "
+                f"only {available} workers left, below min_workers={limits.min_workers}, and no capacity "
                 f"came within elastic_timeout_s={limits.capacity_wait_s}; add nodes, lower min_workers, or raise "
-                "elastic_timeout_s"))
+                f"elastic_timeout_s.{kept}"))
         return ReformDecision(Step.WAIT)
-    return ReformDecision(Step.FORM)
+    return ReformDecision(Step.FORM, "resume from the newest durable checkpoint" if resume else "")
+
+
+def _handover(keepers: list[MemberView], takers: int, checkpoint: bool, waited_s: float,
+              limits: Limits) -> ReformDecision:
+    """Only leaving members hold the state. Hand it to any taker at once; without one, wait while the
+    drain allows (capacity may come), then let them go if the state is durable, else fail."""
+    if takers > 0:
+        return ReformDecision(Step.HANDOVER)
+    deadlines = [m.leave_in_s for m in keepers if m.leave_in_s is not None]
+    near = min(deadlines) <= DRAIN_MARGIN_S if deadlines else waited_s > limits.capacity_wait_s
+    if not near:
+        return ReformDecision(Step.WAIT)
+    if checkpoint:
+        return ReformDecision(Step.RELEASE, "no worker came to take the state before the drain deadline; it is in "
+                                            "the drain commit's durable checkpoint, and the job resumes from it "
+                                            "when capacity comes")
+    return ReformDecision(Step.FAIL, (
+        "every worker holding the job's state is on a draining node, no other worker came to take the state "
+        "before the drain deadline, and no checkpoint_uri is set to keep it; set checkpoint_uri (the drain commit "
+        "is then written durably and the job resumes when capacity returns), or keep capacity for replacements"))
 
 
 def should_grow(world_size: int, ready_joiners: int, max_workers: int, change_pending: bool, stopping: bool) -> bool:
@@ -153,7 +253,8 @@ def should_grow(world_size: int, ready_joiners: int, max_workers: int, change_pe
 
 
 def workers_to_request(live: int, max_workers: int) -> int:
-    """Keep up to ``max_workers`` actors requested; pending ones show the autoscaler the demand."""
+    """Keep up to ``max_workers`` actors requested; pending ones show the autoscaler the demand. ``live``
+    leaves out workers on draining nodes: their replacements are requested at the notice."""
     return max(0, max_workers - live)
 
 
@@ -165,17 +266,26 @@ def ready_to_start(ready: int, min_workers: int, max_workers: int, quiet_s: floa
     return ready >= max_workers or quiet_s >= grace_s
 
 
-def give_up_after_failure(failures: int, max_failures: int) -> str | None:
-    """The message to end the run with once ``failures`` exceed ``max_failures``, else None."""
-    if failures > max_failures:
-        return (f"{failures} failures exceed max_failures={max_failures}; raise max_failures or look at why workers "
-                "keep failing (result.events and the worker_lost causes)")
+def failures_in_window(failure_ages_s: list[float], window_s: float) -> int:
+    """How many failures count: those at most ``window_s`` old (ages on the driver's clock)."""
+    return sum(1 for age in failure_ages_s if age <= window_s)
+
+
+def give_up_after_failure(failure_ages_s: list[float], limits: Limits) -> str | None:
+    """The message to end the run with once more than ``max_failures`` failures happened within
+    ``failure_window_s``, else None. A job preempted every hour never reaches it with the defaults."""
+    counted = failures_in_window(failure_ages_s, limits.failure_window_s)
+    if counted > limits.max_failures:
+        return (f"{counted} failures within failure_window_s={limits.failure_window_s:g} exceed "
+                f"max_failures={limits.max_failures}; raise max_failures or look at why workers keep failing "
+                "(result.events and the worker_lost causes)")
     return None
 
 
-def persist_before_leaving(remaining: int, min_workers: int) -> bool:
-    """Write a durable checkpoint at the drain commit when the ring left behind would be too small."""
-    return remaining < min_workers
+def persist_before_leaving(remaining: int, min_workers: int, staying_holders: int) -> bool:
+    """Write a durable checkpoint at the drain commit when the ring left behind would be too small, or when
+    no staying member holds the state (the leavers hand it over; the checkpoint keeps it if nobody comes)."""
+    return remaining < min_workers or staying_holders == 0
 
 
 def stop_overdue(stop_age_s: float | None, limits: Limits) -> bool:

@@ -11,6 +11,7 @@ constructor arguments, through Ray, and never through the store.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -25,6 +26,11 @@ from .channel import Channel, with_retries
 from .devices import worker_cuda_device
 from .protocol import Keys
 from .worker_rendezvous import JobStopped, WorkerRendezvous
+
+
+class WorkerGaveUp(RuntimeError):
+    """This worker lost its rendezvous with the driver or its store connection for good: the driver counts
+    it as a lost worker and replaces it (a store blip at one worker never ends the job)."""
 
 
 class WorkerError(RuntimeError):
@@ -69,9 +75,11 @@ class RingWorker:
         self._keys = Keys(job_id)
         self._secret = secret
         address = er.StoreAddress(store_host, store_port)
-        # one connection for sending (shared by threads, each op short), one for blocking waits
-        self._send = Channel(connect(address, connect_timeout_s), secret, worker_id)
-        self._receive = Channel(connect(address, connect_timeout_s), secret, worker_id)
+        # one connection for sending (shared by threads, each op short), one for blocking waits; a broken
+        # connection is replaced by a fresh one before a retry
+        reconnect = functools.partial(connect, address, connect_timeout_s)
+        self._send = Channel(reconnect(), secret, worker_id, connect=reconnect)
+        self._receive = Channel(reconnect(), secret, worker_id, connect=reconnect)
         self._rendezvous: WorkerRendezvous | None = None
         self._interval_s = heartbeat_interval_s
         self._stop = threading.Event()
@@ -107,6 +115,15 @@ class RingWorker:
             self._send.send(self._keys.driver_inbox, "timeline", host=self.hostname, events=events, dropped=dropped)
 
     # ------------------------------------------------------------ remote methods
+    def ping(self) -> bool:
+        """Answers through Ray while the process runs (the driver asks when its heartbeats stop arriving)."""
+        return True
+
+    def abort_ring(self, round_id: int, why: str) -> None:
+        """The driver declared a member of round ``round_id`` lost: a collective or a formation of that round
+        that waits on it fails now (instead of at its timeout), and the elastic loop re-forms."""
+        er.runtime.abort_round(round_id, why)
+
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "node_id": self.node_id, "hostname": self.hostname,
                 "node_ip": self.node_ip, "pid": os.getpid()}
@@ -147,10 +164,12 @@ class RingWorker:
             return None
         except WorkerError:
             raise
+        except er.RendezvousError as exc:
+            if isinstance(exc, er.AuthenticationError):
+                raise self._error(exc) from None
+            raise WorkerGaveUp(f"worker {self.worker_id} on {self.hostname}: {exc}") from None
         except Exception as exc:
-            rank = er.rank() if er.is_initialized() else None
-            raise WorkerError(self.worker_id, rank, self.node_id, self.hostname, traceback.format_exc(),
-                              _describe_failure(exc)) from None
+            raise self._error(exc) from None
         finally:
             er.shutdown()
             er.elastic.set_rendezvous(None)
@@ -166,13 +185,19 @@ class RingWorker:
                               "an object holding locks, files or sockets", "fn's return value") from None
         return value
 
+    def _error(self, exc: BaseException) -> WorkerError:
+        rank = er.rank() if er.is_initialized() else None
+        return WorkerError(self.worker_id, rank, self.node_id, self.hostname, traceback.format_exc(),
+                           _describe_failure(exc))
+
     def _flush_checkpoints(self) -> None:
-        """Wait (bounded) for this process's checkpoint writes; a failed or late one is this worker's error."""
+        """Wait (bounded) for this process's checkpoint writes. A failed or late one does not undo the training:
+        it is sent to the driver as a ``checkpoint_failed`` event (``final``), which the result records."""
         try:
             state_pkg.flush_checkpoints(self._flush_timeout_s)
         except state_pkg.CheckpointError as exc:
-            raise WorkerError(self.worker_id, None, self.node_id, self.hostname, str(exc),
-                              "the last durable checkpoint could not be written") from None
+            self._send.send(self._keys.driver_inbox, "checkpoint",
+                            event={"kind": "checkpoint_failed", "final": True, "error": str(exc)})
 
     def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False) -> None:
         """A notice from the driver about round ``round_id`` (re-form / persist / stop at its next commit)."""

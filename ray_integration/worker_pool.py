@@ -21,11 +21,14 @@ import elastic_ring as er
 
 from .channel import Channel
 from .config import TrainerConfig
-from .decisions import MemberView, StartFailureKind
+from .decisions import MemberView, Probe, StartFailureKind
 from .protocol import Keys
-from .worker import RingWorker, WorkerError
+from .worker import RingWorker, WorkerError, WorkerGaveUp
 
 _RemoteWorker = ray.remote(RingWorker)
+
+#: How long a silent worker's actor has to answer through Ray before the silence verdict stands.
+PROBE_S = 0.5
 
 START_HINT = ("if the module that defines fn (or something it imports) is missing on the workers, ship it with "
               "ElasticTrainer(runtime_env={'working_dir': '.'}) or runtime_env={'py_modules': [...]}, or define fn "
@@ -52,6 +55,10 @@ class WorkerRecord:
     cause: str | None = None
     finished: bool = False
     leaving: bool = False           # its node drains: it leaves the ring at the next commit
+    leave_by: float | None = None   # driver clock: its node's drain deadline (None: none known)
+    unheard: int = 0                # times in a row it answered through Ray while its messages were missing
+    probe_ref: Any = None           # a ping through Ray in flight (see WorkerPool.probe)
+    probe_at: float = 0.0
     beat_seq: int = 0               # its heartbeat counter, as last seen
     beat_at: float | None = None    # when that counter last advanced (driver clock)
     fault: str | None = None        # what a worker thread reported before it failed
@@ -71,10 +78,13 @@ class WorkerRecord:
     def silent_s(self, now: float) -> float | None:
         return None if self.beat_at is None else now - self.beat_at
 
+    def leave_in_s(self, now: float) -> float | None:
+        return None if self.leave_by is None else self.leave_by - now
+
     def view(self, now: float) -> MemberView:
         return MemberView(self.worker_id, dead=self.dead, finished=self.finished,
                           waiting=self.reason if self.waiting else None, leaving=self.leaving,
-                          has_state=self.has_state, silent_s=self.silent_s(now))
+                          has_state=self.has_state, silent_s=self.silent_s(now), leave_in_s=self.leave_in_s(now))
 
 
 @dataclass
@@ -98,6 +108,8 @@ class WorkerPool:
         self.mail = Mail()
         self._ready_seq = itertools.count()
         self._by_ref: dict[Any, tuple[str, str]] = {}   # ObjectRef -> (worker id, "info" | "run")
+        self.durable_checkpoint: str | None = None  # the newest checkpoint of the job's state (written or resumed)
+        self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
 
     # ------------------------------------------------------------ effects
     def request(self, count: int) -> None:
@@ -125,8 +137,9 @@ class WorkerPool:
     def _deliver(self, record: WorkerRecord, answer: dict) -> None:
         self.send.send(self.keys.worker_inbox(record.worker_id), answer.pop("k"), **answer)
 
-    def answer(self, record: WorkerRecord, spec: er.RingSpec, stop: bool = False) -> None:
-        record.answer = {"k": "ring", "generation": record.generation, "spec": spec.to_wire(), "stop": stop}
+    def answer(self, record: WorkerRecord, spec: er.RingSpec, stop: bool = False, handover: bool = False) -> None:
+        record.answer = {"k": "ring", "generation": record.generation, "spec": spec.to_wire(), "stop": stop,
+                         "handover": handover}
         self._deliver(record, dict(record.answer))
         record.answered, record.answered_at, record.in_ring = record.generation, time.monotonic(), True
 
@@ -147,6 +160,42 @@ class WorkerPool:
         for record in records:
             if not record.dead:
                 record.actor.notify.remote(round_id, change, persist, stop)
+
+    def abort_round(self, records: list[WorkerRecord], round_id: int, why: str) -> None:
+        """Tell ``records`` (through Ray, not the store) to abandon round ``round_id`` at once: a collective or a
+        formation of it that waits on a lost peer fails now instead of at its timeout."""
+        for record in records:
+            if not record.dead and not record.finished:
+                record.actor.abort_ring.remote(round_id, why)
+
+    def probe(self, record: WorkerRecord, now: float) -> Probe:
+        """Ask ``record``'s actor, through Ray, whether its process still answers (non-blocking)."""
+        if record.probe_ref is None or now - record.probe_at > 4 * PROBE_S:  # none, or one of an earlier silence
+            record.probe_ref, record.probe_at = record.actor.ping.remote(), now
+            return Probe.PENDING
+        ready, _ = ray.wait([record.probe_ref], timeout=0, fetch_local=True)
+        if ready:
+            ref, record.probe_ref = record.probe_ref, None
+            try:
+                ray.get(ref, timeout=PROBE_S)
+            except (ray.exceptions.RayError, TimeoutError):
+                return Probe.UNANSWERED  # it died meanwhile
+            return Probe.ANSWERED
+        return Probe.UNANSWERED if now - record.probe_at > PROBE_S else Probe.PENDING
+
+    def grace(self, now: float) -> None:
+        """A fresh heartbeat grace for every worker (the driver itself was not running)."""
+        for record in self.records.values():
+            if record.beat_at is not None:
+                record.beat_at = max(record.beat_at, now)
+
+    def inbox_backlog(self) -> int:
+        """Messages waiting in the driver's queue that the inbox thread has not read yet."""
+        return self.send.pending(self.keys.driver_inbox)
+
+    def forged(self) -> int:
+        """Messages that failed authentication so far (dropped unread)."""
+        return self.send.forged + (self.receive.forged if self.receive is not None else 0)
 
     @staticmethod
     def draining_nodes() -> dict[str, int]:
@@ -187,7 +236,7 @@ class WorkerPool:
         kind, now = msg["k"], time.monotonic()
         if kind == "hb":
             if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
-                record.beat_seq, record.beat_at = msg["seq"], now
+                record.beat_seq, record.beat_at, record.unheard, record.probe_ref = msg["seq"], now, 0, None
             waiting = msg.get("waiting")
             if isinstance(waiting, int) and waiting > 0:
                 self._note_request(record, waiting, msg.get("reason"))
@@ -205,8 +254,12 @@ class WorkerPool:
             self.mail.timeline.append((record.worker_id, str(msg.get("host")), msg["events"], int(msg.get("dropped") or 0)))
         elif kind == "resumed" and isinstance(msg.get("info"), dict):
             self.mail.resumed.append(msg["info"])
+            if isinstance(msg["info"].get("uri"), str) and self.durable_checkpoint is None:
+                self.durable_checkpoint = msg["info"]["uri"]
         elif kind == "checkpoint" and isinstance(msg.get("event"), dict):
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
+            if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
+                self.durable_checkpoint = msg["event"]["uri"]
         elif kind == "fault":
             record.fault = f"{msg.get('what')}: {msg.get('error')}"
 
@@ -257,6 +310,8 @@ class WorkerPool:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, WorkerError):
                 record.user_error, record.finished = cause, True
+            elif isinstance(cause, WorkerGaveUp):  # its rendezvous or store connection failed: a lost worker
+                record.dead, record.cause = True, f"left the job: {cause}"
             elif record.info is None or not record.in_ring and record.generation == 0:
                 # fn never started: its arguments could not be loaded (e.g. its module is missing there)
                 record.dead, record.cause = True, f"could not run fn: {_first_lines(str(exc))}"

@@ -34,6 +34,7 @@ class WorkerRendezvous:
         self.waiting: tuple[int, str] | None = None  # (generation, reason) while at the rendezvous
         self.cuda_device: int | None = None  # this worker's GPU (NCCL rings), put into every spec
         self._synced_rounds: set[int] = set()
+        self._handover_round: int | None = None  # a round whose members re-form right after its sync
 
     def next_ring(self, reason: str) -> er.RingSpec:
         self.generation += 1
@@ -74,6 +75,8 @@ class WorkerRendezvous:
                 raise er.RendezvousError(f"worker {self._id}: the driver's ring answer is invalid: {exc}") from exc
             if msg.get("stop"):
                 membership.post(membership.Notice(spec.round_id, stop=True, persist=True))
+            if msg.get("handover"):
+                self._handover_round = spec.round_id
             return spec
 
     def synced(self) -> None:
@@ -82,6 +85,10 @@ class WorkerRendezvous:
         if round_id not in self._synced_rounds:
             self._synced_rounds.add(round_id)
             self._send.send(self._keys.driver_inbox, "synced", round=round_id)
+
+    def reform_after_sync(self) -> bool:
+        """This round only hands the state over (its leaving members hold it): re-form right after the sync."""
+        return self._handover_round is not None and self._handover_round == er.round_id()
 
     def stop_pending(self) -> bool:
         """The job stops in this round (the driver said so with the ring)."""

@@ -31,10 +31,38 @@ LIMITS = TrainerConfig(min_workers=2, max_workers=4, heartbeat_interval_s=0.5, h
     (M("a", silent_s=0.2, waiting="membership"), 500, None),
 ])
 def test_kill_cause(member, failure_age_s, expected):
-    cause = decisions.kill_cause(member, LIMITS, failure_age_s)
-    assert (cause is None) == (expected is None), cause
+    kill = decisions.kill_cause(member, LIMITS, failure_age_s)
+    assert (kill is None) == (expected is None), kill
     if expected:
-        assert expected in cause
+        assert expected in kill.cause
+        # a verdict from silence is confirmed through Ray first; "stuck" is not about silence
+        assert kill.confirm is ("stuck" not in expected)
+
+
+@pytest.mark.parametrize("probe, verdict", [
+    (decisions.Probe.PENDING, decisions.Verdict.WAIT),
+    (decisions.Probe.UNANSWERED, decisions.Verdict.KILL),     # frozen, or its node is gone
+    (decisions.Probe.ANSWERED, decisions.Verdict.UNHEARD),    # alive: its messages are lost, not its process
+])
+def test_after_probe(probe, verdict):
+    assert decisions.after_probe(probe) is verdict
+
+
+@pytest.mark.parametrize("times, fails", [(0, False), (1, False), (2, True), (5, True)])
+def test_unheard_twice_in_a_row_names_tampering(times, fails):
+    message = decisions.unheard_verdict("w1", times, forged=3)
+    assert (message is not None) == fails
+    if fails:
+        assert "tampering" in message and "w1" in message and "3 messages" in message
+
+
+@pytest.mark.parametrize("gap_s, interval_s, stalled", [
+    (0.1, 0.5, False), (0.9, 0.5, False), (1.1, 0.5, True),   # a gap of its own loop, past 1 s
+    (1.5, 1.0, False), (2.1, 1.0, True),                      # or past two heartbeats, whichever is longer
+])
+def test_driver_stalled(gap_s, interval_s, stalled):
+    limits = TrainerConfig(heartbeat_interval_s=interval_s, heartbeat_timeout_s=10).limits
+    assert decisions.driver_stalled(gap_s, limits) is stalled
 
 
 def test_stuck_deadline_follows_the_timeouts_so_raising_one_never_kills_survivors_forming_a_ring():
@@ -42,6 +70,11 @@ def test_stuck_deadline_follows_the_timeouts_so_raising_one_never_kills_survivor
     slow = TrainerConfig(connect_timeout_s=300, collective_timeout_s=60).limits
     assert slow.stuck_after_s > 300 + 60
     assert decisions.kill_cause(M("a", silent_s=0.1), slow, 300 + 60 + 1) is None
+
+
+def test_a_member_writing_the_commit_the_driver_asked_for_is_never_stuck():
+    # at a membership change (a drain, a stop) the driver passes no failure age: a slow durable write is not a hang
+    assert decisions.kill_cause(M("a", silent_s=0.2), LIMITS, None) is None
 
 
 @pytest.mark.parametrize("members, expected", [
@@ -77,7 +110,7 @@ S = dict(has_state=True)
      1, Step.WAIT),
     ([M("a", waiting="membership", **S), M("b", waiting="membership", **S),
       M("c", leaving=True, waiting="membership", **S)], 0, False, True, 1, Step.FORM),
-    # every holder of the state is gone: fail, or, when stopping, stop with nothing to save
+    # every holder of the state is gone and nothing is durable: fail, or, when stopping, stop with nothing to save
     ([M("j1", waiting="failure"), M("j2", waiting="failure"), M("c", dead=True)], 0, False, True, 1, Step.FAIL),
     ([M("j1", waiting="failure"), M("j2", waiting="failure"), M("c", dead=True)], 0, True, True, 1, Step.STOPPED),
     ([M("j1", waiting="start"), M("j2", waiting="start")], 0, False, False, 1, Step.FORM),   # a fresh job
@@ -96,12 +129,67 @@ def test_reform_decision(members, joiners, stop, ever, waited_s, expected):
         assert decision.message
 
 
-@pytest.mark.parametrize("failures, max_failures, gives_up", [(0, 0, False), (1, 0, True), (3, 3, False), (4, 3, True)])
-def test_give_up_after_failure(failures, max_failures, gives_up):
-    message = decisions.give_up_after_failure(failures, max_failures)
+LV = dict(leaving=True, waiting="membership", has_state=True)   # a leaving holder at the rendezvous
+
+
+@pytest.mark.parametrize("members, joiners, stop, waited_s, checkpoint, expected, says", [
+    # a drain of every holder: hand the state to whoever is there (a joiner, or a staying member without state)
+    ([M("a", **LV), M("b", **LV)], 2, False, 1, False, Step.HANDOVER, ""),
+    ([M("a", **LV), M("b", **LV)], 1, False, 1, False, Step.HANDOVER, ""),          # even below min_workers
+    ([M("a", **LV), M("j", waiting="membership")], 0, False, 1, False, Step.HANDOVER, ""),
+    # nobody to take it yet: wait while the drain deadline allows
+    ([M("a", leave_in_s=20, **LV), M("b", leave_in_s=25, **LV)], 0, False, 1, True, Step.WAIT, ""),
+    # the deadline is near: let them go if the state is durable, else fail saying exactly that
+    ([M("a", leave_in_s=4, **LV), M("b", leave_in_s=25, **LV)], 0, False, 1, True, Step.RELEASE, "checkpoint"),
+    ([M("a", leave_in_s=4, **LV)], 0, False, 1, False, Step.FAIL, "no checkpoint_uri"),
+    # a drain without a deadline: wait up to elastic_timeout_s (20) for a taker
+    ([M("a", **LV)], 0, False, 19, True, Step.WAIT, ""),
+    ([M("a", **LV)], 0, False, 21, True, Step.RELEASE, "checkpoint"),
+    # a leaver still writing the commit the driver asked for is waited for
+    ([M("a", leaving=True, has_state=True), M("b", **LV)], 2, False, 1, False, Step.WAIT, ""),
+    # a stop while only leavers hold the state: they commit durably and stop
+    ([M("a", **LV), M("b", **LV)], 0, True, 1, False, Step.FORM_STOP, ""),
+    # every holder gone, but the state is durable: resume from it in this run once capacity allows
+    ([M("j1", waiting="failure"), M("j2", waiting="failure"), M("c", dead=True)], 0, False, 1, True, Step.FORM,
+     "checkpoint"),
+    ([M("j1", waiting="failure"), M("c", dead=True)], 0, False, 5, True, Step.WAIT, ""),      # below min_workers
+    ([M("j1", waiting="failure"), M("c", dead=True)], 0, False, 21, True, Step.FAIL, "run the same script"),
+    ([M("c", dead=True)], 2, False, 1, True, Step.FORM, "checkpoint"),   # after a release: the joiners resume
+    # staying holders exist: the leavers simply go (no handover)
+    ([M("a", **LV), M("b", waiting="membership", has_state=True)], 1, False, 1, False, Step.FORM, ""),
+])
+def test_drain_and_durable_resume_decisions(members, joiners, stop, waited_s, checkpoint, expected, says):
+    decision = decisions.reform_decision(members, joiners, stop, True, waited_s, LIMITS, checkpoint=checkpoint)
+    assert decision.step is expected, decision
+    assert says in decision.message
+
+
+@pytest.mark.parametrize("ages, max_failures, window_s, gives_up", [
+    ([], 0, 3600, False), ([1], 0, 3600, True), ([1, 2, 3], 3, 3600, False), ([1, 2, 3, 4], 3, 3600, True),
+    # failures older than the window no longer count
+    ([4000, 3700, 3, 2], 3, 3600, False), ([4000, 30, 3, 2, 1], 3, 3600, True),
+    # a job preempted every hour for 30 days, with the defaults (max_failures=10, failure_window_s=3600)
+    ([3600.0 * k for k in range(720)], 10, 3600, False),
+])
+def test_give_up_after_failure(ages, max_failures, window_s, gives_up):
+    limits = TrainerConfig(max_failures=max_failures, failure_window_s=window_s).limits
+    message = decisions.give_up_after_failure(ages, limits)
     assert (message is not None) == gives_up
     if gives_up:
-        assert f"max_failures={max_failures}" in message
+        assert f"max_failures={max_failures}" in message and f"failure_window_s={window_s}" in message
+
+
+def test_the_defaults_survive_an_hourly_preemption_forever():
+    limits = TrainerConfig().limits
+    assert decisions.give_up_after_failure([0.0, 3600.0], limits) is None
+
+
+@pytest.mark.parametrize("remaining, min_workers, staying_holders, persist", [
+    (3, 2, 3, False), (1, 2, 1, True),     # below min_workers
+    (2, 2, 0, True),                       # nobody staying holds the state: keep it durably, then hand it over
+])
+def test_persist_before_leaving(remaining, min_workers, staying_holders, persist):
+    assert decisions.persist_before_leaving(remaining, min_workers, staying_holders) is persist
 
 
 @pytest.mark.parametrize("world, joiners, max_workers, pending, stopping, grow", [

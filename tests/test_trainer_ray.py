@@ -107,7 +107,7 @@ def test_impossible_resources_fail_after_start_timeout_with_advice(ray_session):
 
 
 def test_max_failures_exceeded_ends_the_run(ray_session):
-    with pytest.raises(RunFailed, match=r"1 failures exceed max_failures=0"):
+    with pytest.raises(RunFailed, match=r"1 failures within failure_window_s=3600 exceed max_failures=0"):
         ElasticTrainer(min_workers=1, max_workers=2, max_failures=0, progress=False).run(
             ray_jobs.train, config={"faults": [(1, 1, 3, "kill")]})
 
