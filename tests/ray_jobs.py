@@ -37,6 +37,8 @@ def train(config: dict):
                     if er.round_id() == rnd and er.rank() == rank and state.step == step:
                         if kind == "hang":  # stuck in user code; the heartbeat thread keeps running
                             time.sleep(10**6)
+                        if kind == "rendezvous":  # this worker loses the driver's store for good
+                            raise er.RendezvousError("lost the rendezvous store (injected)")
                         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
                 idx = torch.tensor(batch, dtype=torch.long)
                 optimizer.zero_grad()

@@ -14,6 +14,7 @@ import re
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from ray_integration import ElasticTrainer, RunFailed, WorkerError
@@ -145,3 +146,43 @@ def test_rogue_client_cannot_run_code_and_cannot_hang_the_job(ray_session, tmp_p
     else:
         assert outcome.value["identical"] and outcome.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
         assert "worker_lost" in [e.kind for e in outcome.events]
+
+
+
+@pytest.mark.parametrize("theft_s, named", [(3.0, False), (30.0, True)])
+def test_messages_taken_from_the_driver_kill_no_live_worker_and_are_named(ray_session, monkeypatch, tmp_path,
+                                                                          theft_s, named):
+    """Every message of the workers goes missing on its way to the driver for ``theft_s`` (the driver's receive
+    side drops them, deterministically, as a thief popping its queue would). The silent workers still answer
+    through Ray: none is killed. A short theft is an event; one that lasts two heartbeat timeouts ends the run
+    naming tampering, instead of "every worker was lost"."""
+    from ray_integration import worker_pool
+
+    progress = tmp_path / "progress"
+    window = {}
+    apply = worker_pool.WorkerPool.apply
+
+    def lossy_apply(self, msg):
+        started = window.get("from")
+        if started is None and progress.exists() and progress.read_text().strip():
+            window["from"] = started = time.monotonic()
+        if started is not None and time.monotonic() - started < theft_s:
+            window["taken"] = window.get("taken", 0) + 1
+            return
+        apply(self, msg)
+
+    monkeypatch.setattr(worker_pool.WorkerPool, "apply", lossy_apply)
+    config = {"epochs": 30, "step_delay_s": 0.02, "progress_file": str(progress)}
+    trainer = ElasticTrainer(min_workers=2, max_workers=2, heartbeat_timeout_s=2, progress=False)
+    started = time.monotonic()
+    if named:
+        with pytest.raises(RunFailed, match="tampering") as info:
+            trainer.run(ray_jobs.train, config=config)
+        assert "every worker" not in str(info.value)
+        assert time.monotonic() - started < 60
+    else:
+        result = trainer.run(ray_jobs.train, config=config)
+        kinds = [e.kind for e in result.events]
+        assert "messages_lost" in kinds and "worker_lost" not in kinds, result.events
+        assert result.value["identical"] and result.value["seen"] == [30.0] * ray_jobs.N_SAMPLES
+    assert window.get("taken", 0) > 0

@@ -80,6 +80,18 @@ def test_sigstopped_worker_is_declared_dead_after_the_heartbeat_timeout(ray_sess
     lost = [e for e in result.events if e.kind == "worker_lost"]
     assert lost and "no heartbeat" in lost[0].detail["cause"]
     assert time.monotonic() - started < 60
+    # the survivors' ring is aborted at once (not after Ray's graceful kill of the stopped process)
+    recovered = [e for e in result.events if e.kind == "recovered"]
+    assert recovered and recovered[0].detail["seconds"] < 1.5, recovered
+
+
+def test_a_worker_that_loses_its_rendezvous_is_a_lost_worker_not_the_end_of_the_job(ray_session):
+    result = ElasticTrainer(min_workers=1, max_workers=2, progress=False).run(
+        ray_jobs.train, config={"epochs": 3, "faults": [(1, 1, 3, "rendezvous")], "step_delay_s": 0.05})
+    check_invariant(result, 3)
+    lost = [e for e in result.events if e.kind == "worker_lost"]
+    assert lost and "left the job" in lost[0].detail["cause"] and "injected" in lost[0].detail["cause"], lost
+    assert "recovered" in kinds(result) and "worker_joined" in kinds(result), kinds(result)  # replaced
 
 
 def test_user_exception_ends_the_run_with_rank_node_and_traceback(ray_session):
