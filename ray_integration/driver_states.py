@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from elastic_ring import shadowing
+
 from . import decisions
 from .decisions import Outcome, StartFailureKind, Step
 from .worker_pool import START_HINT
@@ -86,7 +88,7 @@ def _fatal(d: "Driver") -> DriverState | None:
 
 def _names_its_fix(error: str | None) -> bool:
     """The start error already says what to do (e.g. a user's file shadows one of our packages)."""
-    return error is not None and "shadows elastic_ring's" in error
+    return error is not None and shadowing.MARKER in error
 
 
 class Starting(DriverState):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import ray
 
 import elastic_ring as er
+from elastic_ring import shadowing
 
 from .channel import Channel
 from .config import TrainerConfig
@@ -331,14 +332,16 @@ def _start_failure(exc: BaseException) -> tuple[StartFailureKind, str] | None:
     is an ordinary loss)."""
     if isinstance(exc, ray.exceptions.RayActorError) and getattr(exc, "actor_init_failed", False):
         text = _first_lines(str(exc), 12)
-        return _load_or_init(text), text
+        shadowed = [line for line in text.splitlines() if shadowing.MARKER in line]
+        return _load_or_init(text), shadowed[-1] if shadowed else text  # Ray's own text before it misleads
     if isinstance(exc, ray.exceptions.RuntimeEnvSetupError):
         return StartFailureKind.RUNTIME_ENV, ("Ray could not set up its runtime_env (ElasticTrainer(runtime_env=...) "
                                               "merged with the job's):\n" + _first_lines(str(exc), 8))
     return None
 
 
-_LOAD_ERRORS = ("ModuleNotFoundError", "ImportError", "No module named", "Can't get attribute", "UnpicklingError")
+_LOAD_ERRORS = ("ModuleNotFoundError", "ImportError", "No module named", "Can't get attribute", "UnpicklingError",
+                shadowing.MARKER)
 
 
 def _load_or_init(text: str) -> StartFailureKind:

@@ -31,6 +31,9 @@ process that holds that rank:
   state (resumed from a checkpoint, if there is one) to the others;
 * ``kill_in_join``: in the reset callback of a re-form that brought a joiner
   (a death during a membership re-form, before the sync);
+* ``kill_in_formation``: armed at the start of a step, it kills its process at the
+  very start of the next ring's formation (a second death while the survivors
+  form the ring after a first one: they must not wait out ``connect_timeout_s``);
 * ``kill_at_end``: after the last collective, just before ``fn`` returns (the
   other ranks return: the job must finish, not re-form).
 
@@ -57,6 +60,21 @@ from state import ElasticSampler, TorchState
 N_SAMPLES = 96
 DIM = 8
 _ARMED: str | None = None  # the hook point armed in this process ("commit" or "sync")
+_FORMATION_ARMED = False   # die when this process next forms a ring (kill_in_formation)
+
+
+def _arm_formation_fault() -> None:
+    """Make this process die at the start of its next ring formation (the runtime's communicator factory)."""
+    global _FORMATION_ARMED
+    _FORMATION_ARMED = True
+    create = er.runtime._create
+
+    def dying_create(spec, store):
+        if _FORMATION_ARMED:
+            _die()
+        return create(spec, store)
+
+    er.runtime._create = dying_create
 
 
 def sample_vector(i: int) -> torch.Tensor:
@@ -208,6 +226,9 @@ def train(config: dict):
                 fault = faults.pending(("sigkill", "sigstop"), er.rank())
                 if fault and faults.claim(fault):
                     _die(signal.SIGKILL if fault["kind"] == "sigkill" else signal.SIGSTOP)
+                fault = faults.pending(("kill_in_formation",), er.rank())
+                if fault and not _FORMATION_ARMED and faults.claim(fault):
+                    _arm_formation_fault()
                 idx = torch.tensor(batch, dtype=torch.long)
                 hits = torch.zeros(N_SAMPLES + 1, dtype=torch.float64)
                 hits[idx] += 1

@@ -13,14 +13,21 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 
 from tests.chaos.invariant_job import FaultFile
 
-WORKER_FAULTS = ("sigkill", "sigstop", "kill_in_commit", "kill_in_sync", "kill_in_reform", "kill_in_join")
-NODE_EVENTS = ("node_removed", "node_drained", "node_added")
-ALL_KINDS = WORKER_FAULTS + NODE_EVENTS
+WORKER_FAULTS = ("sigkill", "sigstop", "kill_in_commit", "kill_in_sync", "kill_in_reform", "kill_in_join",
+                 "kill_in_formation")
+#: Faults that need a second death (a helper rank SIGKILLed after the victim is armed) to reach their point.
+COMPOUND = ("kill_in_sync", "kill_in_reform", "kill_in_join", "kill_in_formation")
+NODE_EVENTS = ("node_removed", "node_drained", "node_added", "drain_all")
+#: The driver's loop stalls (its on_report callback blocks for two heartbeat timeouts); the checkpoint
+#: location's file system is full for a few seconds, then space returns.
+OTHER_EVENTS = ("driver_stall", "storage_blip")
+ALL_KINDS = WORKER_FAULTS + NODE_EVENTS + OTHER_EVENTS
 MAX_WORKERS = 4
 MIN_CAPACITY = 3
 #: Seconds to wait for the ring to be steady before an event, or for a fault to fire.
@@ -36,7 +43,7 @@ class StormEvent:
 
 
 def schedule(seed: int, n: int, capacity: int = MAX_WORKERS) -> list[StormEvent]:
-    """``n`` events in a seeded order; every kind appears once before any repeats (n >= 9 has all);
+    """``n`` events in a seeded order; every kind appears once before any repeats (n >= 13 has all);
     removals and drains only at full capacity, additions only below it."""
     rng = random.Random(seed)
     bag: list[str] = []
@@ -49,7 +56,7 @@ def schedule(seed: int, n: int, capacity: int = MAX_WORKERS) -> list[StormEvent]
                    and (k != "node_added" or capacity < MAX_WORKERS)]
         kind = allowed[0]
         bag.remove(kind)
-        capacity += {"node_removed": -1, "node_drained": -1, "node_added": 1}.get(kind, 0)
+        capacity += {"node_removed": -1, "node_drained": -1, "node_added": 1}.get(kind, 0)  # drain_all: replaced
         rank = 0 if kind == "kill_in_sync" else rng.randrange(MIN_CAPACITY)
         helper = rng.choice([r for r in range(1, MIN_CAPACITY) if r != rank])
         events.append(StormEvent(kind, rank, helper, gap_steps=rng.randrange(4, 10)))
@@ -80,19 +87,37 @@ def read_step_logs(directory: str) -> list[tuple[int, int]]:
 
 
 def expected_losses(events: list[StormEvent]) -> int:
-    """Members lost: one per worker fault (two for the compound ones) and per removed node."""
-    return sum({"kill_in_sync": 2, "kill_in_reform": 2, "kill_in_join": 2, "node_removed": 1}.get(
-        e.kind, 1 if e.kind in WORKER_FAULTS else 0) for e in events)
+    """Members lost: one per worker fault (two for the compound ones) and per removed node; none for a drain
+    (of one node, or of every holder at once), a driver stall or a storage blip."""
+    return sum(2 if e.kind in COMPOUND else 1 if e.kind in WORKER_FAULTS or e.kind == "node_removed" else 0
+               for e in events)
 
 
 class StormController:
-    def __init__(self, cluster, nodes: list, chaos_dir: str, drain) -> None:
-        self.cluster, self.nodes, self.dir, self.drain = cluster, list(nodes), chaos_dir, drain
+    """Runs a schedule. ``blip(seconds)`` fills the checkpoint location's file system for that long (None:
+    the storm has no checkpoint location it can fill); the trainer must call :meth:`on_report` with each
+    report (that is where a driver stall is made)."""
+
+    STALL_S = 7.0  # more than two heartbeat timeouts (3 s) of the storm's trainer
+    BLIP_S = 3.0
+
+    def __init__(self, cluster, nodes: list, chaos_dir: str, drain, blip=None) -> None:
+        self.cluster, self.nodes, self.dir, self.drain, self.blip = cluster, list(nodes), chaos_dir, drain, blip
         self.faults = FaultFile(chaos_dir)
         self.armed: list[dict] = []
         self.next_id = 1
         self.last_round = 0
         self.log: list[str] = []
+        self.drained = 0               # nodes drained (each gives one node_draining event)
+        self.to_remove: list = []      # drained nodes whose workers have left: removed once the ring is steady
+        self.stall_requested = threading.Event()
+        self.stalled = threading.Event()
+
+    def on_report(self, record: dict) -> None:
+        """The trainer's on_report (runs on the driver's loop): blocks it once when a stall is requested."""
+        if self.stall_requested.is_set() and not self.stalled.is_set():
+            time.sleep(self.STALL_S)
+            self.stalled.set()
 
     # ------------------------------------------------------------ observing
     def progress(self) -> tuple[int, int, int, int] | None:
@@ -114,6 +139,8 @@ class StormController:
                 if world == min(len(self.nodes), MAX_WORKERS) and rnd > self.last_round:
                     first_step = step if first_step is None else first_step
                     if step >= first_step + gap_steps:
+                        while self.to_remove:  # the drained nodes' workers have left: the nodes go
+                            self.cluster.remove_node(self.to_remove.pop(), allow_graceful=False)
                         return step, rnd
                 else:
                     first_step = None
@@ -145,9 +172,12 @@ class StormController:
         for event in events:
             step, rnd = self.wait_steady(event.gap_steps, is_alive)
             self.log.append(f"{event.kind} at step {step} round {rnd} (rank {event.rank})")
-            if event.kind in ("kill_in_sync", "kill_in_reform", "kill_in_join"):
-                # the victim's fault first, then the SIGKILL of a helper rank that causes the re-form
+            if event.kind in COMPOUND:
+                # the victim's fault first, then the SIGKILL of a helper rank that causes the re-form (a death
+                # in a formation is armed in the victim's process first, so that the very next formation has it)
                 victim, = self._arm((event.kind, event.rank))
+                if event.kind == "kill_in_formation":
+                    self._wait_fired([victim], is_alive)
                 helper, = self._arm(("sigkill", event.helper_rank))
                 self._wait_fired([helper, victim], is_alive)
             elif event.kind in WORKER_FAULTS:
@@ -156,6 +186,24 @@ class StormController:
                 self.cluster.remove_node(self.nodes.pop(), allow_graceful=False)
             elif event.kind == "node_drained":
                 self.drain(self.cluster, self.nodes.pop(), deadline_s=120)
+                self.drained += 1
+            elif event.kind == "drain_all":  # a notice on every node that holds the state; fresh nodes are up
+                old, self.nodes = self.nodes, [self.cluster.add_node(num_cpus=1, resources={"slot": 1})
+                                               for _ in self.nodes]
+                for node in old:
+                    self.drain(self.cluster, node, deadline_s=120)
+                self.drained += len(old)
+                self.to_remove += old
+            elif event.kind == "driver_stall":
+                self.stall_requested.set()
+                if not self.stalled.wait(STEADY_TIMEOUT_S):
+                    raise TimeoutError(f"the driver stall did not happen; storm log: {self.log}")
+                self.stall_requested.clear()
+                self.stalled.clear()
+            elif event.kind == "storage_blip":
+                if self.blip is None:
+                    raise TimeoutError("a storage blip needs a checkpoint location the storm can fill")
+                self.blip(self.BLIP_S)
             else:
                 self.nodes.append(self.cluster.add_node(num_cpus=1, resources={"slot": 1}))
             p = self.progress()
