@@ -32,7 +32,7 @@ _shadowing().check("elastic_ring")  # before importing it: a user's elastic_ring
 del _shadowing
 
 
-from .checkpoint_errors import CheckpointCorrupt, CheckpointError, CheckpointRefused
+from .checkpoint_errors import CheckpointCorrupt, CheckpointError, CheckpointLeaseLost, CheckpointRefused
 from .checkpoint_lease import CheckpointLease
 from .checkpoint_policy import CheckpointConfig, check_checkpoint_uri
 from .checkpoint_store import CheckpointStore
@@ -45,7 +45,7 @@ from .state import State, set_default_checkpointing, set_resume_listener
 from .torch_state import ObjectState, TorchState
 
 __all__ = [
-    "CheckpointConfig", "CheckpointCorrupt", "CheckpointError", "CheckpointLease", "CheckpointRefused",
+    "CheckpointConfig", "CheckpointCorrupt", "CheckpointError", "CheckpointLeaseLost", "CheckpointLease", "CheckpointRefused",
     "CheckpointStore", "ElasticSampler", "ObjectState", "State", "TorchState", "TrainingStopped",
     "check_checkpoint_uri", "clear_membership_change", "flush_checkpoints", "membership_change_requested",
     "request_membership_change", "request_stop", "set_checkpoint_listener", "set_default_checkpointing",

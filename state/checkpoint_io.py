@@ -131,10 +131,7 @@ class Location:
         without conditional creates falls back to check-then-write, which is not atomic (the
         location's lease still keeps one live job per location)."""
         try:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
-                if durable:
-                    self.fsync_file(f)
+            f = self.fs.open(path, "xb")
         except FileExistsError:
             return False
         except (ValueError, NotImplementedError) as exc:
@@ -145,6 +142,19 @@ class Location:
             if self.fs.exists(path):
                 return False
             self.write_small(path, data, durable=durable)
+            f = None
+        if f is not None:
+            try:
+                with f:
+                    f.write(data)
+                    if durable:
+                        self.fsync_file(f)
+            except FileExistsError:
+                return False  # object stores: the conditional PUT at close found the key taken
+            except BaseException:
+                if self.local:  # our O_EXCL open created it: a torn file (disk full) must not block the name
+                    self.remove_quietly(path)
+                raise
         if durable and self.local:
             self.fsync_dir(path.rsplit("/", 1)[0])
         return True

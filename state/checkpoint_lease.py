@@ -7,8 +7,19 @@ current generation, then watches it on its own monotonic clock. If the bytes cha
 holder's ``ttl_s`` the holder is alive and the contender refuses with an error naming the location
 and the run. If nothing changes for ``ttl_s`` (the holder died) or the lease says ``released``,
 the contender takes over by creating the next generation with a conditional create, so that of two
-contenders exactly one wins. A holder that finds a newer generation than its own has lost the lease
-and says so (:meth:`CheckpointLease.check`).
+contenders exactly one wins.
+
+Both sides agree on one rule: **a lease is gone after ``ttl_s`` without a successful renewal.** The
+holder times each renewal from the moment it *starts* (never later than the moment a contender can
+see it), retries failed renewals with backoff (``renew_every_s / 10`` doubling up to
+``renew_every_s / 4``), and counts the lease lost once ``ttl_s`` passed since the start of its last
+successful renewal, even while a renewal write is still blocked in slow storage; a contender takes
+over only after watching the file unchanged for at least that long. So a holder never believes it
+holds a lease that a contender may already have taken, and a storage outage shorter than about
+``0.75 * ttl_s`` (the renewal cadence and the retry pause eat the rest) never loses it. The holder
+also loses the lease, at its next renewal, when it finds a newer generation (it was taken over).
+:meth:`CheckpointLease.check` raises :class:`~state.checkpoint_errors.CheckpointLeaseLost`, which
+says which case, for how long, and the last error.
 """
 
 from __future__ import annotations
@@ -24,9 +35,10 @@ from typing import Any
 
 from elastic_ring.log import get_logger
 
-from .checkpoint_errors import CheckpointError
+from .checkpoint_errors import CheckpointError, CheckpointLeaseLost, is_transient
+from .checkpoint_errors import describe as _describe
 from .checkpoint_io import Location
-from .checkpoint_policy import check_checkpoint_uri
+from .checkpoint_policy import backoff_delay, check_checkpoint_uri
 
 _log = get_logger(__name__)
 
@@ -34,6 +46,8 @@ LEASE_FORMAT = "elastic_ring.lease/1"
 _LEASE = re.compile(r"^LEASE-(\d{12})\.json$")
 #: The most a contender waits on a holder's declared ttl_s (a bad value must not hang it).
 MAX_TTL_S = 120.0
+#: The default ttl_s (ElasticTrainer's ``lease_ttl_s`` default too).
+DEFAULT_TTL_S = 15.0
 
 
 def _generations(loc: Location) -> list[int]:
@@ -72,11 +86,12 @@ class CheckpointLease:
 
     ``acquire()`` returns once this run holds the lease; it raises :class:`CheckpointError` naming
     the location and the other run if that run is alive (seen renewing within its ``ttl_s``). The
-    lease then renews itself from a background thread; :meth:`check` raises if it was lost (renewal
-    failing for ``ttl_s``, or taken over after this process stalled). ``release()`` lets the next run
-    take over at once. If the holder dies, a contender takes over after ``ttl_s`` of silence."""
+    lease then renews itself from a background thread, retrying failures with backoff;
+    :meth:`check` raises :class:`CheckpointLeaseLost` once it is lost (no successful renewal for
+    ``ttl_s``, or taken over by another run). ``release()`` lets the next run take over at once. If
+    the holder dies, a contender takes over after ``ttl_s`` of silence."""
 
-    def __init__(self, uri: str, run_id: str, *, ttl_s: float = 5.0, renew_every_s: float | None = None,
+    def __init__(self, uri: str, run_id: str, *, ttl_s: float = DEFAULT_TTL_S, renew_every_s: float | None = None,
                  poll_s: float | None = None) -> None:
         self.uri = check_checkpoint_uri(uri, "CheckpointLease uri")
         if not isinstance(run_id, str) or not re.fullmatch(r"[\w.\-]{1,128}", run_id):
@@ -99,17 +114,21 @@ class CheckpointLease:
         self._token = uuid.uuid4().hex
         self._generation: int | None = None
         self._counter = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # one lease write at a time (renew, release); held during I/O
+        self._state = threading.Lock()  # the fields below; never held during I/O, so check() never blocks
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lost: CheckpointError | None = None
+        self._lost: CheckpointLeaseLost | None = None
         self._last_error: BaseException | None = None
-        self._last_renewed = 0.0
+        self._last_renewed = 0.0        # monotonic start of the last successful renewal (or of the acquire)
+        self._failing = 0               # renewals failed since then
+        self._writing_since: float | None = None  # a renewal write in progress started then
+        self.failed_renewals = 0        # every failed renewal of this lease (diagnostics)
 
     # ------------------------------------------------------------ state
     @property
     def held(self) -> bool:
-        return self._generation is not None and self._lost is None
+        return self._generation is not None and self._loss() is None
 
     @property
     def generation(self) -> int | None:
@@ -117,13 +136,36 @@ class CheckpointLease:
 
     @property
     def last_error(self) -> BaseException | None:
-        """The last renewal error (transient ones are retried until ``ttl_s`` has passed)."""
+        """The last renewal error seen (kept after later renewals succeed, for diagnostics)."""
         return self._last_error
 
     def check(self) -> None:
-        """Raise :class:`CheckpointError` if this lease was lost (taken over, or renewal failing for ``ttl_s``)."""
-        if self._lost is not None:
-            raise self._lost
+        """Raise :class:`CheckpointLeaseLost` if this lease was lost: taken over by another run, or no
+        renewal succeeded for ``ttl_s`` (also when a renewal is still blocked in a slow write). Never blocks."""
+        lost = self._loss()
+        if lost is not None:
+            raise lost
+
+    def _loss(self) -> CheckpointLeaseLost | None:
+        """The loss, deciding it on the clock if ``ttl_s`` passed without a successful renewal."""
+        with self._state:
+            if self._lost is None and self._generation is not None:
+                silent = time.monotonic() - self._last_renewed
+                if silent > self.ttl_s:
+                    self._set_lost(self._expired(silent))
+            return self._lost
+
+    def _set_lost(self, lost: CheckpointLeaseLost) -> CheckpointLeaseLost:
+        """Record the loss (the first one stays); call with ``_state`` held."""
+        if self._lost is None:
+            self._lost = lost
+            _log.error("%s", lost)
+        return self._lost
+
+    def _expired(self, silent: float) -> CheckpointLeaseLost:
+        writing = None if self._writing_since is None else time.monotonic() - self._writing_since
+        return CheckpointLeaseLost.expired(self.uri, self.run_id, self.ttl_s, silent, self._failing, self._last_error,
+                                           writing)
 
     def _body(self, generation: int, released: bool = False) -> bytes:
         return json.dumps({"format": LEASE_FORMAT, "run_id": self.run_id, "generation": generation,
@@ -135,31 +177,52 @@ class CheckpointLease:
         """Hold the location for this run, or raise :class:`CheckpointError` if another run is live there.
 
         Takes at most about ``ttl_s`` (the holder's) when the previous holder died without releasing;
-        ``timeout_s`` (default ``3 * ttl_s + 5``) bounds the whole attempt."""
+        transient storage errors (full disk, timeouts) are retried with backoff; ``timeout_s`` (default
+        ``3 * ttl_s + 5``) bounds the whole attempt."""
         if self._generation is not None:
             raise CheckpointError(f"the lease on {self.uri} is already held by this object (run {self.run_id!r})")
         limit = 3 * self.ttl_s + 5 if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
+        failures, error = 0, None
         while time.monotonic() < deadline:
-            generations = _generations(self.loc)
-            target = 1
-            if generations:
-                free = self._wait_until_free(generations[-1], deadline)
-                if not free:
-                    continue  # a newer generation appeared, or the lease vanished: look again
-                target = generations[-1] + 1
-            self._counter = 0
-            if self.loc.create_exclusive(_path(self.loc, target), self._body(target), durable=False):
-                self._generation, self._last_renewed = target, time.monotonic()
-                self._cleanup(target)
-                self._thread = threading.Thread(target=self._renew_loop, name="elastic-ring-checkpoint-lease",
-                                                daemon=True)
-                self._thread.start()
-                _log.info("holding the lease on %s (run %s, generation %d)", self.uri, self.run_id, target)
-                return self
-            # another contender created it first: the next round watches the winner
+            try:
+                if self._try_acquire(deadline):
+                    return self
+            except CheckpointError:
+                raise
+            except Exception as exc:  # storage errors: retried while transient, within the deadline
+                if not is_transient(exc):
+                    raise CheckpointError(f"cannot take the lease on checkpoint location {self.uri}: {_describe(exc)}; "
+                                          "fix the storage (permissions, path) or set another checkpoint_uri") from exc
+                failures, error = failures + 1, exc
+                pause = min(backoff_delay(failures, 0.1, 2.0), max(0.0, deadline - time.monotonic()))
+                _log.warning("taking the lease on %s failed (%s); retrying in %.1f s", self.uri, _describe(exc), pause)
+                time.sleep(pause)
         raise CheckpointError(f"could not acquire the lease on checkpoint location {self.uri} within {limit:.1f} s: "
-                              "other runs keep taking it over; make sure one job uses this location")
+                              + (f"the storage kept failing ({failures} attempts, the last {_describe(error)}); fix it "
+                                 "or set another checkpoint_uri" if error is not None else
+                                 "other runs keep taking it over; make sure one job uses this location"))
+
+    def _try_acquire(self, deadline: float) -> bool:
+        generations = _generations(self.loc)
+        target = 1
+        if generations:
+            if not self._wait_until_free(generations[-1], deadline):
+                return False  # a newer generation appeared, or the lease vanished: look again
+            target = generations[-1] + 1
+        self._counter = 0
+        started = time.monotonic()  # the lease counts from before its file can be seen
+        if not self.loc.create_exclusive(_path(self.loc, target), self._body(target), durable=False):
+            return False  # another contender created it first: the next round watches the winner
+        with self._state:
+            self._generation, self._last_renewed, self._failing, self._lost = target, started, 0, None
+        self._stop.clear()
+        self._cleanup(target)
+        self._thread = threading.Thread(target=self._renew_loop, name="elastic-ring-checkpoint-lease", daemon=True)
+        self._thread.start()
+        _log.info("holding the lease on %s (run %s, generation %d, ttl %g s)", self.uri, self.run_id, target,
+                  self.ttl_s)
+        return True
 
     def _wait_until_free(self, generation: int, deadline: float) -> bool:
         """True once lease ``generation`` is released or stale; False if it changed under us (look again).
@@ -172,7 +235,7 @@ class CheckpointLease:
             return True
         declared = info.get("ttl_s") if info is not None else None
         ttl = min(MAX_TTL_S, max(self.ttl_s, declared if isinstance(declared, (int, float)) else 0))
-        started = time.monotonic()
+        started = time.monotonic()  # after the read: the holder renewed no later than this
         while time.monotonic() - started < ttl:
             if time.monotonic() > deadline:
                 return False
@@ -210,71 +273,122 @@ class CheckpointLease:
 
     # ------------------------------------------------------------ renew
     def renew(self) -> None:
-        """Renew once (the background thread does this every ``renew_every_s``)."""
+        """Renew once (the background thread does this every ``renew_every_s``). Raises
+        :class:`CheckpointLeaseLost` if the lease is lost (taken over, or renewed too late), the
+        storage's error if the write failed (the caller retries)."""
         with self._lock:
-            if self._generation is None:
+            with self._state:
+                generation, lost = self._generation, self._lost
+            if generation is None:
                 raise CheckpointError(f"the lease on {self.uri} is not held")
+            if lost is not None:
+                raise lost
+            started = time.monotonic()
             newest = _generations(self.loc)[-1:]
-            if newest and newest[0] > self._generation:
-                other = _parse(_read_raw(self.loc, newest[0])) or {}
-                raise CheckpointError(
-                    f"this run {self.run_id!r} lost the lease on checkpoint location {self.uri} to run "
-                    f"{other.get('run_id')!r}: its renewals stalled for over {self.ttl_s} s (process paused, storage "
-                    "unreachable); stop this run, its checkpoints would now mix with the other's")
-            self._counter += 1
-            self.loc.write_small(_path(self.loc, self._generation), self._body(self._generation), durable=False)
-            self._last_renewed = time.monotonic()
+            if newest and newest[0] > generation:
+                raise self._taken_over(generation, newest[0])
+            with self._state:
+                self._writing_since = started
+            try:
+                self._counter += 1
+                self.loc.write_small(_path(self.loc, generation), self._body(generation), durable=False)
+            finally:
+                with self._state:
+                    self._writing_since = None
+            with self._state:
+                silent = time.monotonic() - self._last_renewed
+                if self._lost is None and silent > self.ttl_s:  # done, but too late: a contender may have taken it
+                    self._set_lost(self._expired(silent))
+                if self._lost is not None:
+                    raise self._lost
+                self._last_renewed, self._failing = started, 0
+
+    def _taken_over(self, generation: int, newest: int) -> CheckpointLeaseLost:
+        other = _parse(_read_raw(self.loc, newest)) or {}
+        with self._state:
+            return self._set_lost(CheckpointLeaseLost.taken_over(
+                self.uri, self.run_id, generation, other, newest, time.monotonic() - self._last_renewed, self._failing,
+                self._last_error))
 
     def _renew_loop(self) -> None:
+        delay = self.renew_every_s
         try:
-            while not self._stop.wait(self.renew_every_s):
+            while not self._stop.wait(delay):
                 try:
                     self.renew()
-                    self._last_error = None
-                except CheckpointError as exc:
-                    self._last_error, self._lost = exc, exc
-                    _log.error("%s", exc)
-                    return
-                except Exception as exc:  # storage errors of any backend: retried until ttl_s has passed
-                    self._last_error = exc
-                    silent = time.monotonic() - self._last_renewed
-                    _log.warning("renewing the lease on %s failed (%s: %s); %.1f s since the last renewal",
-                                 self.uri, type(exc).__name__, exc, silent)
-                    if silent > self.ttl_s:
-                        self._lost = CheckpointError(
-                            f"the lease on checkpoint location {self.uri} could not be renewed for {silent:.1f} s "
-                            f"(last error {type(exc).__name__}: {exc}); another run may take it over: stop this run "
-                            "and check the storage")
-                        self._lost.__cause__ = exc
-                        _log.error("%s", self._lost)
+                    delay = self.renew_every_s
+                except CheckpointLeaseLost:
+                    return  # recorded and logged; check() raises it
+                except Exception as exc:  # storage errors of any backend: retried with backoff until ttl_s passed
+                    with self._state:
+                        self._last_error = exc
+                        self._failing += 1
+                        self.failed_renewals += 1
+                        failing, silent = self._failing, time.monotonic() - self._last_renewed
+                    if self._loss() is not None:
                         return
+                    retry = backoff_delay(failing, self.renew_every_s / 10, self.renew_every_s / 4)
+                    delay = min(retry, self.ttl_s - silent + 0.01)  # wake at the deadline at the latest
+                    _log.warning("renewing the lease on %s failed (%s); %.1f s since the last renewal of %g s allowed; "
+                                 "retrying in %.2f s", self.uri, _describe(exc), silent, self.ttl_s, delay)
         except BaseException as exc:  # surfaced by check(): the lease is no longer renewed
-            self._last_error = exc
-            self._lost = CheckpointError(f"the lease renewal thread for {self.uri} died: {type(exc).__name__}: {exc}")
-            self._lost.__cause__ = exc
-            _log.error("%s", self._lost)
+            with self._state:
+                self._last_error = exc
+                self._set_lost(CheckpointLeaseLost(
+                    f"the lease renewal thread of run {self.run_id!r} for checkpoint location {self.uri} died: "
+                    f"{_describe(exc)}; the lease is no longer renewed, so this run must stop (a bug: report it)",
+                    reason="renewal_thread_died", uri=self.uri, run_id=self.run_id,
+                    silent_s=round(time.monotonic() - self._last_renewed, 3), attempts=self._failing,
+                    last_error=_describe(exc)))
+                self._lost.__cause__ = exc
 
     # ------------------------------------------------------------ release
-    def release(self, timeout_s: float = 10.0) -> None:
-        """Stop renewing and mark the lease released, so that the next run takes over at once."""
+    def release(self, timeout_s: float = 10.0) -> bool:
+        """Stop renewing and mark the lease released, so that the next run takes over at once.
+
+        Returns True if the lease was marked released. It never raises for storage trouble: if the
+        renewal thread is stuck in a write, or the mark cannot be written within ``timeout_s``, it logs
+        why and returns False; the lease then expires by itself after ``ttl_s``."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
             if thread.is_alive():
-                raise CheckpointError(f"the lease renewal thread for {self.uri} did not stop within {timeout_s} s "
-                                      "(storage hanging?); the lease expires by itself after ttl_s")
+                with self._state:
+                    self._generation = None
+                _log.error("the lease renewal thread for %s did not stop within %g s (a renewal write hangs in the "
+                           "storage); the lease is not marked released and expires by itself after %g s", self.uri,
+                           timeout_s, self.ttl_s)
+                return False
         with self._lock:
-            generation, self._generation = self._generation, None
-            if generation is None or self._lost is not None:
-                return
-            self._counter += 1
+            with self._state:
+                generation, self._generation = self._generation, None
+                lost = self._lost
+            if generation is None or lost is not None:
+                return False
+            return self._write_released(generation, deadline)
+
+    def _write_released(self, generation: int, deadline: float) -> bool:
+        failures = 0
+        while True:
             try:
+                if _generations(self.loc)[-1:] != [generation]:
+                    _log.warning("not releasing the lease on %s: generation %d is no longer the current one", self.uri,
+                                 generation)
+                    return False
+                self._counter += 1
                 self.loc.write_small(_path(self.loc, generation), self._body(generation, released=True), durable=False)
-            except OSError as exc:
-                raise CheckpointError(f"could not release the lease on {self.uri}: {exc}; the next run takes it "
-                                      f"over after {self.ttl_s} s instead") from exc
-        _log.info("released the lease on %s (run %s)", self.uri, self.run_id)
+                _log.info("released the lease on %s (run %s)", self.uri, self.run_id)
+                return True
+            except Exception as exc:  # retried while transient and time is left; then logged
+                failures += 1
+                pause = backoff_delay(failures, 0.1, 1.0)
+                if not is_transient(exc) or time.monotonic() + pause > deadline:
+                    _log.warning("could not mark the lease on %s released (%s, %d attempts); the next run takes it "
+                                 "over after %g s instead", self.uri, _describe(exc), failures, self.ttl_s)
+                    return False
+                time.sleep(pause)
 
     def __enter__(self) -> "CheckpointLease":
         return self.acquire()

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 
 #: Consecutive failed writes after which the next ``commit()`` raises (CheckpointConfig default).
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
+#: Seconds a checkpoint write is retried after its first transient storage error (ENOSPC, EIO, a timeout...)
+#: before it counts as failed: a full disk for 9 s heals within one write, and with the default
+#: ``max_consecutive_failures`` a run stops only after about 90 s of storage failing without a break.
+DEFAULT_WRITE_RETRY_S = 30.0
+#: The first pause between two attempts of a failing write, doubled after each failure up to the second.
+WRITE_RETRY_FIRST_S, WRITE_RETRY_MAX_S = 0.2, 5.0
 
 _PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.DOTALL)
 _DIR = re.compile(r"^ckpt-(\d{12})$")
@@ -79,9 +85,11 @@ class CheckpointConfig:
     full unpickling (custom classes); by default only tensors, numbers, strings, containers and the
     state of optimizers, LR schedulers and samplers load, and a checkpoint holding anything else is
     refused. ``max_consecutive_failures``: after that many failed writes in a row, the next
-    ``commit()`` raises with the cause. ``signing_key`` (optional, >= 16 bytes, kept out of repr):
-    manifests are signed with HMAC-SHA256 and only manifests signed with this key are loaded; it must
-    outlive the run, since the next run verifies this run's checkpoints with it."""
+    ``commit()`` raises with the cause (a write failing with a transient storage error counts as
+    failed only once its retries, :data:`DEFAULT_WRITE_RETRY_S` by default, are spent).
+    ``signing_key`` (optional, >= 16 bytes, kept out of repr): manifests are signed with HMAC-SHA256
+    and only manifests signed with this key are loaded; it must outlive the run, since the next run
+    verifies this run's checkpoints with it."""
 
     uri: str
     every_n_commits: int | None = None
@@ -158,6 +166,23 @@ def plan_prune(entries: list[Entry], newest: int, run_id: str | None, keep_last:
     complete = sorted(e.seq for e in candidates if e.complete)
     keep = set(complete[-keep_last:]) | {newest}
     return sorted(e.seq for e in candidates if e.seq < newest and e.seq not in keep)
+
+
+def backoff_delay(failures: int, first_s: float, max_s: float) -> float:
+    """Seconds to wait after the ``failures``-th failed attempt in a row (1, 2, ...): ``first_s`` doubled
+    each time, never above ``max_s``."""
+    if failures < 1:
+        raise ValueError(f"failures={failures} must be >= 1 (call it after a failed attempt)")
+    return min(max_s, first_s * 2.0 ** min(failures - 1, 60))
+
+
+def check_retry_budget(value: object, field_name: str = "retry_budget_s") -> float:
+    """``value`` as seconds >= 0 (0: no retries), or ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise ValueError(f"{field_name}={value!r} must be seconds in [0, 3600]: how long a checkpoint write that "
+                         "fails with a transient storage error (full disk, I/O error, timeout) is retried; 0 retries "
+                         "nothing")
+    return float(value)
 
 
 def next_sequence(existing: list[int]) -> int:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from elastic_ring.log import get_logger
+
 from . import checkpoint_lease
 from .checkpoint_errors import CheckpointCorrupt, CheckpointError, CheckpointPruneError, CheckpointRefused
 from .checkpoint_io import HashingWriter, Location
@@ -42,6 +44,8 @@ _READABLE = ("elastic_ring.checkpoint/1", FORMAT)
 MANIFEST, DATA, CLAIM = "MANIFEST.json", "data.pt", "CLAIM.json"
 
 __all__ = ["CheckpointError", "CheckpointStore", "FORMAT"]
+
+_log = get_logger(__name__)
 
 _TRUST_FIX = ("if you trust everyone who can write to this location, set trusted_checkpoints=True "
               "(CheckpointConfig(trusted=True) / enable_checkpoints(..., trusted=True)), or register the classes "
@@ -182,11 +186,25 @@ class CheckpointStore:
             directory = self._dir(seq)
             if self.loc.local:
                 self.loc.makedirs(directory)
-            if self.loc.create_exclusive(f"{directory}/{CLAIM}", claim):
+            try:
+                created = self.loc.create_exclusive(f"{directory}/{CLAIM}", claim)
+            except BaseException:
+                self._drop_empty_dir(directory)  # a claim that failed (disk full) leaves no directory behind
+                raise
+            if created:
                 self.loc.fsync_dir(self.loc.root)
                 return seq
         raise CheckpointError(f"could not claim a checkpoint number under {self.uri} in 1000 tries: "
                               "other writers keep taking them; give each job its own checkpoint_uri")
+
+    def _drop_empty_dir(self, directory: str) -> None:
+        """Remove ``directory`` if it is empty (local only; another writer's claim in it keeps it)."""
+        if not self.loc.local:
+            return
+        try:
+            os.rmdir(directory)
+        except OSError as exc:  # not empty (another claim), or already gone: the next prune handles it
+            _log.debug("left %s after a failed claim: %s", directory, exc)
 
     def _write_data(self, path: str, tree: Any) -> tuple[int, str]:
         with self.loc.fs.open(path, "wb") as f:

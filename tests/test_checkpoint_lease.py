@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from state import CheckpointError, CheckpointLease, CheckpointStore
+from state.checkpoint_errors import CheckpointLeaseLost
+from state.checkpoint_io import Location
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TTL = 2.0
@@ -145,6 +147,9 @@ def test_a_holder_that_stalls_past_the_ttl_learns_it_lost_the_lease(tmp_path):
     try:
         with pytest.raises(CheckpointError, match=r"run 'run-a' lost the lease .* to run 'run-b'"):
             a.renew()
+        with pytest.raises(CheckpointLeaseLost, match="took it over as generation 2") as info:
+            a.check()  # the same loss, recorded
+        assert info.value.reason == "taken_over" and info.value.other_run == "run-b" and not a.held
         a._lost = None
         # a store of the stalled run may no longer write there
         with pytest.raises(CheckpointError, match=r"leased by run 'run-b'.*not by this run 'run-a'"):
@@ -164,10 +169,38 @@ def test_renewal_errors_are_captured_and_surface_after_the_ttl(tmp_path, monkeyp
     deadline = time.monotonic() + 10
     while lease.held and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(CheckpointError, match=r"could not be renewed for .*PermissionError: storage said no"):
+    with pytest.raises(CheckpointLeaseLost, match=r"could not be renewed for .*PermissionError: storage said no") \
+            as info:
         lease.check()
     assert isinstance(lease.last_error, PermissionError)
-    lease.release()  # nothing left to release; it does not raise
+    assert info.value.reason == "expired" and info.value.attempts >= 3  # retried with backoff, not once per 0.1 s
+    assert lease.release() is False  # nothing left to release; it does not raise
+
+
+def test_a_takeover_is_seen_at_the_next_renewal(tmp_path):
+    holder = CheckpointLease(str(tmp_path), "run-a", ttl_s=2.0).acquire()
+    # another run took the location over (it could not see this holder's renewals, say through a partition)
+    taker = CheckpointLease(str(tmp_path), "run-b", ttl_s=2.0)
+    assert Location(str(tmp_path)).create_exclusive(str(tmp_path / "LEASE-000000000002.json"), taker._body(2))
+    started = time.monotonic()
+    deadline = started + 5
+    while holder.held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert time.monotonic() - started < holder.renew_every_s + 0.5  # one renewal (0.4 s), not a TTL
+    with pytest.raises(CheckpointLeaseLost, match=r"run 'run-a' lost the lease on checkpoint location .* to run "
+                                                  r"'run-b' .*generation 2 \(this run held 1.*Stop this run") as info:
+        holder.check()
+    assert info.value.reason == "taken_over" and info.value.other_run == "run-b" and info.value.attempts == 0
+    assert holder.release() is False  # the other run's lease is left alone
+    assert json.loads((tmp_path / "LEASE-000000000002.json").read_text())["run_id"] == "run-b"
+
+
+def test_defaults_match_the_trainer_and_release_says_whether_it_released(tmp_path):
+    lease = CheckpointLease(str(tmp_path), "run-d")
+    assert (lease.ttl_s, lease.renew_every_s) == (15.0, 3.0)  # ElasticTrainer lease_ttl_s=15, renewed every ttl/5
+    lease.acquire()
+    assert lease.held and lease.release() is True and not lease.held
+    assert lease.release() is False
 
 
 def test_lease_validation_and_release_on_exit(tmp_path):
