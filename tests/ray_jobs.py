@@ -6,12 +6,33 @@ import os
 import signal
 import time
 
+import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 import elastic_ring as er
 from state import ElasticSampler, TorchState
 
 N_SAMPLES = 48
+
+
+class SlowFileSystem(LocalFileSystem):
+    """The local file system, where writing a checkpoint's data file takes as many seconds as the file
+    ``SLOW_WRITE_S`` in the checkpoint location holds (slow storage; registered wherever this module is
+    imported: the test's driver and every worker, which import it to run ``train``)."""
+
+    protocol = ("slowfile", "file", "local")  # "file": the checkpoint code treats it as a local disk
+
+    def _open(self, path, mode="rb", block_size=None, **kwargs):
+        if any(c in mode for c in "wxa") and path.endswith("/data.pt"):
+            control = os.path.join(os.path.dirname(os.path.dirname(path)), "SLOW_WRITE_S")
+            if os.path.exists(control):
+                with open(control) as f:
+                    time.sleep(float(f.read()))
+        return super()._open(path, mode, block_size=block_size, **kwargs)
+
+
+fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
 
 
 def train(config: dict):

@@ -98,3 +98,37 @@ def test_no_capacity_and_no_checkpoint_fails_saying_exactly_that(cluster, tmp_pa
     assert "no other worker came to take the state before the drain deadline" in str(error)
     assert "checkpoint_uri" in str(error)
     assert time.monotonic() - started < 8, "it gives up before the node dies, not after"
+
+
+def test_a_slow_drain_checkpoint_is_work_the_driver_asked_for_not_a_stuck_worker(cluster, tmp_path):
+    """Slow storage (each checkpoint write takes 12 s) and a drain that leaves the ring below min_workers:
+    rank 0 writes the drain commit the driver asked for, longer than the "stuck in user code" deadline
+    (collective 3 s + connect 3 s + 2 s). It is not killed; the write lands; capacity returns; exact."""
+    nodes = [cluster.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    progress = tmp_path / "progress"
+    trainer = ElasticTrainer(min_workers=2, max_workers=2, resources_per_worker={"slot": 1}, cpus_per_worker=1,
+                             checkpoint_uri=f"slowfile://{ckpt}", checkpoint_every_n_commits=1000,
+                             collective_timeout_s=3, connect_timeout_s=3, elastic_timeout_s=60, stop_timeout_s=60,
+                             progress=False)
+    thread, box, events = run_with_events(trainer, {"epochs": 6, "step_delay_s": 0.05, "progress_file": str(progress)})
+    wait_for_step(progress, 3)
+    (ckpt / "SLOW_WRITE_S").write_text("12")
+    drain(cluster, nodes[1], deadline_s=90)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and thread.is_alive() and "checkpoint_written" not in [e.kind for e in events]:
+        time.sleep(0.2)
+    (ckpt / "SLOW_WRITE_S").unlink()
+    cluster.add_node(num_cpus=1, resources={"slot": 1})    # capacity returns
+    thread.join(150)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    result = box["result"]
+    k = kinds(result)
+    persisted = [e for e in result.events if e.kind == "persist_requested"]
+    assert persisted and persisted[0].detail["why"] == "drain" and persisted[0].detail["deadline_s"] > 60, persisted
+    written = [e for e in result.events if e.kind == "checkpoint_written"]
+    assert written and written[0].detail["seconds"] >= 12, written
+    assert "worker_lost" not in k, [e.detail for e in result.events if e.kind == "worker_lost"]
+    assert result.value["identical"] and result.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
