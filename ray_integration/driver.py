@@ -38,7 +38,7 @@ DRAIN_POLL_S = 0.5
 
 class Driver:
     def __init__(self, config: TrainerConfig, pool: WorkerPool, store_host: str, events: EventLog,
-                 wakeups: "queue.Queue[tuple[str, Any]]") -> None:
+                 wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
         self.config, self.pool, self.store_host, self.events = config, pool, store_host, events
         self.limits = config.limits
         self.wakeups = wakeups

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-from ray.autoscaler.sdk import request_resources
 
 import elastic_ring as er
+from elastic_ring import shadowing
 from elastic_ring.auth import new_secret
 from elastic_ring.log import get_logger
 from state import CheckpointConfig, CheckpointLease, CheckpointStore
@@ -33,30 +35,116 @@ _log = get_logger(__name__)
 
 @dataclass
 class Result:
-    value: Any                                   # what fn returned on rank 0 of the final ring
+    """What :meth:`ElasticTrainer.run` returns: a completed run, or one that was stopped.
+
+    ``completed``: ``fn`` returned on rank 0 of the final ring (``value`` is what it returned).
+    ``stopped``: the run ended because of a stop (SIGTERM to the driver, or :meth:`ElasticTrainer.stop`)
+    before ``fn`` completed; ``stop_reason`` says which. A clean stop ends at a commit, written as a
+    durable checkpoint (``checkpoint``) when ``checkpoint_uri`` is set; a ``forced`` one (a second stop,
+    or the workers not reaching a commit within ``stop_timeout_s``) killed the workers and
+    ``abandoned`` says what training was lost. ``checkpoint_error`` is set when the last durable
+    write (the final flush) failed: ``checkpoint`` is then an older checkpoint.
+    """
+
+    value: Any                                   # what fn returned on rank 0 of the final ring (None if stopped)
     metrics: list[dict] = field(default_factory=list)   # rank 0's er.report records (with time, round, world size)
     events: list[Event] = field(default_factory=list)   # membership history
     checkpoint: str | None = None                # URI of the newest durable checkpoint
+    completed: bool = True                       # fn returned on rank 0
+    stopped: bool = False                        # ended by a stop before fn completed
+    stop_reason: str | None = None               # what asked for the stop ("SIGTERM", stop()'s reason), if any
+    forced: bool = False                         # the stop was abandoned: the workers were killed, not at a commit
+    abandoned: str | None = None                 # for a forced stop: which training was lost (and how to resume)
+    checkpoint_error: str | None = None          # the final checkpoint flush failed: why
+    message: str | None = None                   # the line printed to stderr for a stopped run
+
+
+def _said(reason: str) -> str:
+    """How a stop's reason reads in the driver's stderr line: ``SIGTERM received`` / ``stop requested (...)``."""
+    return f"{reason} received" if reason.startswith("SIG") else f"stop requested ({reason})"
+
+
+class _StopControl:
+    """The trainer's stop requests, from any thread or a signal handler; applied to the driver of the run.
+
+    A stop asked for while no run is in progress is kept for the next :meth:`ElasticTrainer.run`; every
+    stop asked for while a run is in progress is consumed by that run (the next one starts afresh).
+    The lock is reentrant: a SIGTERM handler runs on the main thread, possibly while it holds the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._token: object | None = None  # the run in progress, if any
+        self.reason: str | None = None
+        self.abort_reason: str | None = None
+        self._driver: Driver | None = None
+        self._wakeups: "queue.SimpleQueue[tuple[str, Any]] | None" = None
+
+    def request(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+                if self._driver is not None:
+                    self._driver.request_stop(reason)
+            else:
+                self.abort_reason = f"a second {reason}" if reason == self.reason else \
+                    f"{reason} (a second stop request, after {self.reason})"
+                if self._driver is not None:
+                    self._driver.abort(self.abort_reason)
+            if self._wakeups is not None:
+                self._wakeups.put(("stop", reason))  # SimpleQueue.put is reentrant: safe in a signal handler
+
+    def begin(self) -> tuple[object, str | None]:
+        """A run starts: returns its token and the stop asked for before it (None if none)."""
+        with self._lock:
+            if self._token is not None:
+                raise RuntimeError("ElasticTrainer.run is already running on this trainer (in another thread); "
+                                   "one trainer runs one job at a time: create an ElasticTrainer per concurrent job")
+            self._token = object()
+            return self._token, self.reason
+
+    def attach(self, driver: Driver, wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
+        """From now on stops go to ``driver``; one asked for before is applied at once."""
+        with self._lock:
+            self._driver, self._wakeups = driver, wakeups
+            if self.reason is not None:
+                driver.request_stop(self.reason)
+            if self.abort_reason is not None:
+                driver.abort(self.abort_reason)
+
+    def end(self, token: object) -> str | None:
+        """The run of ``token`` is over: detach, and return (and forget) the stop it consumed."""
+        with self._lock:
+            if self._token is not token:
+                return None  # already ended
+            consumed = self.reason
+            self._token, self._driver, self._wakeups = None, None, None
+            self.reason = self.abort_reason = None
+            return consumed
 
 
 class _Signals:
-    """SIGTERM: stop at the next commit, written durably; a second SIGTERM abandons the stop at once."""
+    """SIGTERM: stop at the next commit, written durably; a second SIGTERM abandons the stop at once.
 
-    def __init__(self, driver: Driver) -> None:
-        self._driver = driver
-        self._previous = None
+    Python delivers signals to the main thread only, so the handler is installed only when ``run()`` is on
+    the main thread; otherwise the caller wires it: ``signal.signal(SIGTERM, lambda *_: trainer.stop("SIGTERM"))``.
+    """
+
+    def __init__(self, stop: Callable[[str], None]) -> None:
+        self._installed = False
+        self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if self._driver.stop_reason is None:
-            self._driver.request_stop("SIGTERM")
+            self._previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop("SIGTERM"))
+            self._installed = True
         else:
-            self._driver.abort("a second SIGTERM")
+            _log.info("ElasticTrainer.run is not on the main thread, so it does not handle SIGTERM itself; to stop "
+                      "at a commit on SIGTERM, call signal.signal(signal.SIGTERM, lambda *_: trainer.stop('SIGTERM')) "
+                      "in the main thread (docs/api.md)")
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._installed:
+            # None: the previous handler was not installed from Python; the default is the closest
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
 
 class _Mailroom:
@@ -94,6 +182,20 @@ class _Mailroom:
 class ElasticTrainer:
     def __init__(self, **options: Any) -> None:
         self.config = TrainerConfig(**options)
+        self._stops = _StopControl()
+
+    def stop(self, reason: str = "stop() called") -> None:
+        """Ask the run to stop at its next commit, written durably; :meth:`run` then returns a stopped
+        :class:`Result`. Safe from any thread and from a signal handler; the driver wakes at once.
+
+        A second call abandons the stop: the workers are killed now, and the Result says ``forced``
+        (as a second SIGTERM does). Called while no run is in progress, the stop is kept for the next
+        :meth:`run`, which then returns a stopped Result at once without starting anything. A run consumes
+        every stop asked for while it was in progress: a later run() starts afresh (and resumes from the
+        checkpoint)."""
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"ElasticTrainer.stop reason must be a non-empty string (e.g. 'SIGTERM'), got {reason!r}")
+        self._stops.request(reason)
 
     def _check_cluster(self) -> None:
         resources = ray.cluster_resources()
@@ -112,7 +214,7 @@ class ElasticTrainer:
         """Hold the checkpoint location for this run: a second live job there is refused within seconds."""
         if self.config.checkpoint_uri is None:
             return None
-        return CheckpointLease(self.config.checkpoint_uri, run_id).acquire()
+        return CheckpointLease(self.config.checkpoint_uri, run_id, ttl_s=self.config.lease_ttl_s).acquire()
 
     def _newest_checkpoint(self) -> str | None:
         if self.config.checkpoint_uri is None:
@@ -121,11 +223,16 @@ class ElasticTrainer:
 
     def run(self, fn: Callable[[dict], Any], config: dict | None = None,
             on_report: Callable[[dict], None] | None = None, on_event: Callable[[Event], None] | None = None) -> Result:
-        """Run ``fn(config)`` on every worker until rank 0 of the final ring returns.
+        """Run ``fn(config)`` on every worker until rank 0 of the final ring returns, or until a stop.
 
         ``on_report(record)``, if given, is called on the driver with each of rank 0's ``er.report``
         records as it arrives (live logging, or reacting to progress); ``on_event(event)`` with each
         membership event (:class:`Event`) as it happens. An exception in either ends the run.
+
+        A stop (SIGTERM when ``run()`` is on the main thread, or :meth:`stop` from anywhere) ends the
+        run at the next commit and returns a :class:`Result` with ``stopped=True``; a second one abandons
+        the stop (``forced=True``). ``run()`` never raises ``SystemExit``: the caller decides the exit
+        code (see examples/cluster/train.py). It raises for failures (``WorkerError``, ``RunFailed``...).
         """
         if not callable(fn):
             raise TypeError(f"ElasticTrainer.run expects a function fn(config), got {type(fn).__name__}")
@@ -134,8 +241,27 @@ class ElasticTrainer:
                 raise TypeError(f"ElasticTrainer.run {name} must be a function of one argument, got {callback!r}")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"ElasticTrainer.run config must be a dict (passed to fn), got {type(config).__name__}")
+        token, pending = self._stops.begin()
+        try:
+            if pending is not None:  # stop() before run(): nothing starts
+                return self._stopped_before_start(self._stops.end(token) or pending)
+            return self._run(fn, config, on_report, on_event, token)
+        finally:
+            self._stops.end(token)  # (a no-op when the run ended it itself)
+
+    def _stopped_before_start(self, reason: str) -> Result:
+        message = f"elastic_ring: {_said(reason)} before run() started: nothing ran"
+        print(message, file=sys.stderr, flush=True)
+        return Result(value=None, checkpoint=self._newest_checkpoint(), completed=False, stopped=True,
+                      stop_reason=reason, message=message)
+
+    def _run(self, fn: Callable[[dict], Any], config: dict | None, on_report: Callable[[dict], None] | None,
+             on_event: Callable[[Event], None] | None, token: object) -> Result:
         if not ray.is_initialized():
             ray.init()
+        # Ray puts the driver's working directory and script directory first on every worker's sys.path: a
+        # user's state.py there would break every worker's import; say so now, before any worker starts
+        shadowing.check_path_prefix([os.getcwd(), os.path.dirname(os.path.realpath(sys.argv[0] or "."))])
         self._check_cluster()
         timeline = TimelineFile(self.config.timeline_path) if self.config.timeline_path is not None else None
         if timeline is not None:
@@ -146,6 +272,8 @@ class ElasticTrainer:
         progress = ProgressDisplay(self.config.progress)
         final = None
         with contextlib.ExitStack() as cleanup:  # everything set up below is undone in reverse, also on failure
+            signals = _Signals(self.stop)  # first: a SIGTERM while the job sets up stops it before it starts
+            cleanup.callback(signals.restore)
             lease = self._lease(keys.job)
             if lease is not None:
                 cleanup.callback(lease.release)  # last: the workers are stopped, nothing of this run writes
@@ -154,11 +282,13 @@ class ElasticTrainer:
             cleanup.callback(server.close)
             send = Channel(server.store, secret, DRIVER)
             receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
-            wakeups: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+            # a SimpleQueue: its put() is reentrant, so stop() may put from a SIGTERM handler on this thread
+            wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
             settings = {"driver_silence_s": self.config.heartbeat_timeout_s,
                         "flush_timeout_s": self.config.stop_timeout_s, "checkpoint": self._checkpoint_config(keys.job),
                         "use_gpu": self.config.use_gpu, "timeline": timeline is not None}
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
+            pool.receive = receive  # its forged-message count names tampering in the driver's errors
             driver = Driver(self.config, pool, host, events, wakeups)
             mailroom = _Mailroom(pool, events, progress, timeline, on_report)
             cleaner = _RoundKeys(server.store, keys)
@@ -169,11 +299,9 @@ class ElasticTrainer:
                 if lease is not None:
                     lease.check()  # another run took the location over (this one stalled): stop now
 
-            # Demand the autoscaler can see: max_workers worker bundles while the job runs.
-            bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus,
-                      **self.config.resources_per_worker}
-            request_resources(bundles=[{k: v for k, v in bundle.items() if v}] * self.config.max_workers)
-            cleanup.callback(request_resources, bundles=[])  # cancel the demand, also on failure
+            # The autoscaler sees this job's demand as its pending worker actors (the pool keeps max_workers
+            # requested), which are this job's alone and end with it. No request_resources(): that call is
+            # one cluster-wide request, which the next call by anyone replaces (docs/api.md, "Autoscaling").
             if timeline is not None:
                 cleanup.callback(lambda: _log.info("timeline written to %s", timeline.write(events.events)))
             cleanup.callback(pool.shutdown, "the job ended")
@@ -181,10 +309,10 @@ class ElasticTrainer:
             inbox.start()
             cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, "wake"))
             cleanup.callback(progress.close)
-            signals = _Signals(driver)
-            cleanup.callback(signals.restore)
+            self._stops.attach(driver, wakeups)  # a stop asked for from here on (or before) reaches the driver
             try:
                 final = driver.run(on_tick)
+                _take_last_messages(pool, wakeups)
                 on_tick(driver)
                 if isinstance(final, Finished):
                     events.add("finished", driver.round_id, driver.world_size)
@@ -192,10 +320,11 @@ class ElasticTrainer:
                 print(f"elastic_ring: interrupted (Ctrl-C): the workers are stopped now; {self._abandoned()}",
                       file=sys.stderr, flush=True)
                 raise
+        stop_reason = self._stops.end(token)  # after the cleanup: a stop() during it is this run's too
         if receive.forged or send.forged:
             _log.warning("%d forged messages were sent to this job's rendezvous store and ignored; see the README's "
                          "Security section", receive.forged + send.forged)
-        return self._result(final, mailroom, events, driver.stop_reason)
+        return self._result(final, mailroom, events, driver.stop_reason or stop_reason)
 
     def _abandoned(self) -> str:
         newest = self._newest_checkpoint()
@@ -209,27 +338,79 @@ class ElasticTrainer:
         if isinstance(final, Failed):
             if stop_reason is not None:
                 cause = str(final.error).strip().splitlines()
-                print(f"elastic_ring: {stop_reason} received, but the job could not stop cleanly: "
+                print(f"elastic_ring: {_said(stop_reason)}, but the job could not stop cleanly: "
                       f"{cause[-1] if cause else type(final.error).__name__}; {self._abandoned()}",
                       file=sys.stderr, flush=True)
             raise final.error
-        if isinstance(final, Stopped):
-            if final.forced:
-                note = f" ({final.note})" if final.note else ""
-                print(f"elastic_ring: {final.reason}: stopping at once{note}; the workers were killed; "
-                      f"{self._abandoned()}", file=sys.stderr, flush=True)
-                raise SystemExit(1)
-            newest = self._newest_checkpoint()
-            saved = (f"the last commit is saved as {newest}; run the same script again to resume" if newest else
-                     "no checkpoint_uri was set, so nothing was saved")
-            note = f" ({final.note})" if final.note else ""
-            print(f"elastic_ring: {final.reason} received: training stopped at a commit{note}; {saved}",
-                  file=sys.stderr, flush=True)
-            raise SystemExit(0)
-        assert isinstance(final, Finished)
         written = [e.detail.get("uri") for e in events.events if e.kind == "checkpoint_written"]
-        return Result(value=final.value, metrics=mailroom.metrics, events=list(events.events),
-                      checkpoint=written[-1] if written else self._newest_checkpoint())
+        checkpoint_error = _final_checkpoint_error(events.events)
+        if isinstance(final, Finished):
+            checkpoint = written[-1] if written else self._newest_checkpoint()
+        else:  # the store first: a stop's final write is the newest, whether or not its event arrived
+            checkpoint = self._newest_checkpoint() or (written[-1] if written else None)
+        common = dict(metrics=mailroom.metrics, events=list(events.events), checkpoint=checkpoint,
+                      stop_reason=stop_reason, checkpoint_error=checkpoint_error)
+        if isinstance(final, Finished):
+            if checkpoint_error is not None:
+                print(f"elastic_ring: fn completed, but the final checkpoint could not be written: {checkpoint_error}; "
+                      f"the newest durable checkpoint is {checkpoint or 'none'}", file=sys.stderr, flush=True)
+            return Result(value=final.value, completed=True, **common)
+        assert isinstance(final, Stopped), final
+        note = f" ({final.note})" if final.note else ""
+        if final.forced:
+            abandoned = self._abandoned()
+            message = (f"elastic_ring: {final.reason}: stopping at once{note}; the workers were killed; "
+                       f"{abandoned}")
+            print(message, file=sys.stderr, flush=True)
+            return Result(value=None, completed=False, stopped=True, forced=True, abandoned=abandoned,
+                          message=message, **common)
+        reason = stop_reason or final.reason
+        if checkpoint_error is not None:
+            message = (f"elastic_ring: {_said(reason)}, but the job could not stop cleanly: the final checkpoint "
+                       f"failed: {checkpoint_error}; {self._abandoned()}")
+        else:
+            saved = (f"the last commit is saved as {checkpoint}; run the same script again to resume" if checkpoint
+                     else "no checkpoint_uri was set, so nothing was saved" if self.config.checkpoint_uri is None
+                     else "no durable checkpoint was written")
+            message = f"elastic_ring: {_said(reason)}: training stopped at a commit{note}; {saved}"
+        print(message, file=sys.stderr, flush=True)
+        return Result(value=None, completed=False, stopped=True, message=message, **common)
+
+
+def _final_checkpoint_error(events: list[Event]) -> str | None:
+    """The error of the last final checkpoint flush that failed (a ``checkpoint_failed`` event with ``final``),
+    unless a checkpoint was written after it (e.g. a drained worker's flush failed, the ring's later writes
+    did not): then the newest durable checkpoint is as recent as the run's state."""
+    error = None
+    for event in events:
+        if event.kind == "checkpoint_failed" and event.detail.get("final"):
+            error = str(event.detail.get("error") or "the final checkpoint flush failed (no error text was sent)")
+        elif event.kind == "checkpoint_written":
+            error = None
+    return error
+
+
+#: After the driver's last state, how long the workers' last messages may keep arriving, and the most to wait.
+LAST_MESSAGES_QUIET_S, LAST_MESSAGES_LIMIT_S = 0.2, 2.0
+
+
+def _take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
+    """Apply the messages that arrived after the driver's last state (bounded): a worker sends its final
+    checkpoint event just before its run returns, and Ray may report the return first. Returns once no
+    message but heartbeats came for LAST_MESSAGES_QUIET_S, or after LAST_MESSAGES_LIMIT_S."""
+    now = time.monotonic()
+    limit, quiet = now + LAST_MESSAGES_LIMIT_S, now + LAST_MESSAGES_QUIET_S
+    while (now := time.monotonic()) < min(limit, quiet):
+        try:
+            kind, payload = wakeups.get(timeout=min(limit, quiet) - now)
+        except queue.Empty:
+            return
+        if kind == "msg":
+            pool.apply(payload)
+            if payload.get("k") != "hb":
+                quiet = time.monotonic() + LAST_MESSAGES_QUIET_S
+        elif kind == "error":
+            _log.warning("after the job ended: %s", payload)
 
 
 def _acknowledge(send: Channel, keys: Keys, msg: dict) -> None:

@@ -200,6 +200,57 @@ def test_train_script_trains_on_cpu_and_writes_checkpoints(tmp_path):
     assert (pathlib.Path(newest[len("file://"):]) / "MANIFEST.json").is_file()
 
 
+def test_train_script_exit_codes_say_whether_training_completed():
+    train = load_module(CLUSTER / "train.py", "er_cluster_train")
+    from ray_integration import Result
+
+    assert train.exit_code(Result(value={}, completed=True)) == 0
+    stopped = Result(value=None, completed=False, stopped=True, stop_reason="SIGTERM")
+    assert train.exit_code(stopped) == train.EXIT_STOPPED == 75  # EX_TEMPFAIL: unfinished, retry
+    forced = Result(value=None, completed=False, stopped=True, forced=True, stop_reason="SIGTERM")
+    assert train.exit_code(forced) == 75
+    failed_write = Result(value=None, completed=False, stopped=True, checkpoint_error="disk full")
+    assert train.exit_code(failed_write) == 1
+
+
+def test_train_script_stopped_by_sigterm_exits_75_so_that_the_job_is_retried(tmp_path):
+    import os
+    import signal
+    import tempfile
+
+    from tests.test_preemption import pids_with
+
+    ray_tmp = tempfile.mkdtemp(prefix="/tmp/ert")  # this run's own Ray (short: socket paths fit in 107 bytes)
+    checkpoints = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "examples/cluster/train.py", "--address", "local", "--cpu", "--min-workers", "2",
+         "--max-workers", "2", "--checkpoint-uri", str(checkpoints), "--checkpoint-every-commits", "2",
+         "--epochs", "200", "--samples", "2048", "--classes", "4", "--width", "64", "--batch-size", "64",
+         "--commit-every", "4"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_TMPDIR": ray_tmp})
+    try:
+        deadline = time.monotonic() + 90
+        while not list(checkpoints.glob("ckpt-*/MANIFEST.json")):  # training runs: a checkpoint was written
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        for pid in pids_with(ray_tmp):  # whatever this run's Ray left behind, by PID, never `ray stop`
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 75, (proc.returncode, out[-2000:], err[-3000:])
+    assert "SIGTERM received: training stopped at a commit; the last commit is saved as" in err, err[-3000:]
+    lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in out.splitlines() if ": " in line}
+    assert lines["result"] == "None" and lines["status"].startswith("stopped (SIGTERM) before training completed")
+    newest = lines["newest checkpoint"]
+    assert newest.startswith("file://") and (pathlib.Path(newest[len("file://"):]) / "MANIFEST.json").is_file()
+    assert f"the rerun resumes from {newest}" in lines["status"], lines["status"]
+
+
 @pytest.mark.slow
 def test_train_script_run_again_resumes_from_the_newest_checkpoint(tmp_path):
     first, newest = run_train_script(tmp_path / "ckpt", epochs=2)

@@ -1,5 +1,6 @@
 """Losing the whole cluster: SIGKILL the training script and its Ray, run it again, and it resumes
-from the newest durable checkpoint; SIGTERM to the script writes a final checkpoint and exits cleanly."""
+from the newest durable checkpoint; SIGTERM to the script writes a final checkpoint, ``run()`` returns a
+stopped Result, and the script exits with the code it chooses (75: unfinished, retry)."""
 
 import json
 import os
@@ -45,9 +46,9 @@ def job(tmp_path):
             pass
 
 
-def start(paths) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), paths["ckpt"], str(paths["progress"]), paths["ray"], str(EPOCHS)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(paths, mode: str = "main") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPT), paths["ckpt"], str(paths["progress"]), paths["ray"], str(EPOCHS),
+                             mode], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_step(progress: pathlib.Path, step: int, timeout_s: float = 120) -> int:
@@ -86,20 +87,51 @@ def test_whole_cluster_sigkilled_then_the_same_script_resumes(job):
     assert killed_at_step < TOTAL_STEPS
 
 
-def test_sigterm_writes_a_final_checkpoint_and_exits_cleanly(job):
-    proc = start(job)
+def sigterm_then_resume(job, mode: str, resume: bool = True) -> dict:
+    """SIGTERM the script at step 10: it gets a stopped Result, with its final checkpoint and metrics, and exits 75;
+    the rerun (if ``resume``) resumes from that checkpoint and finishes exactly."""
+    proc = start(job, mode)
     wait_for_step(job["progress"], 10)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "SIGTERM received: training stopped at a commit; the last commit is saved as" in stderr
+    assert proc.returncode == 75, (proc.returncode, stdout[-2000:], stderr[-3000:])  # the script's choice
+    assert "SIGTERM received: training stopped at a commit; the last commit is saved as" in stderr, stderr[-3000:]
+    line = [l for l in stdout.splitlines() if l.startswith("STOPPED ")]
+    assert line, stdout[-2000:]
+    stopped = json.loads(line[0][len("STOPPED "):])
     stopped_at = int(job["progress"].read_text().split()[0])
     from state import CheckpointStore
 
-    saved, _ = CheckpointStore(job["ckpt"]).load_latest()
+    saved, info = CheckpointStore(job["ckpt"]).load_latest()
     assert saved["step"] == stopped_at  # the final commit was written: nothing trained is lost
+    assert not stopped["completed"] and not stopped["forced"] and stopped["stop_reason"] == "SIGTERM", stopped
+    assert stopped["checkpoint"] == info["uri"] and stopped["checkpoint_error"] is None, (stopped, info)
+    assert stopped["metrics"] >= 10 and stopped["last_step"] == stopped_at, stopped
+    assert stopped_at < TOTAL_STEPS
+    if not resume:
+        return stopped
     job["progress"].unlink()
     result = finish(job)
-    assert result["resumed_uri"] is not None
+    assert result["resumed_uri"] == info["uri"]
     assert result["step"] == TOTAL_STEPS and result["seen"] == [float(EPOCHS)] * ray_jobs.N_SAMPLES
-    assert stopped_at < TOTAL_STEPS
+    return stopped
+
+
+def test_sigterm_writes_a_final_checkpoint_and_returns_a_stopped_result(job):
+    sigterm_then_resume(job, "main")
+
+
+def test_the_trainer_holds_its_checkpoint_location_for_lease_ttl_s(tmp_path):
+    """A successor of a run that died takes over after the run's lease_ttl_s of silence: the trainer's lease
+    is built with that option (the resume above runs with lease_ttl_s=5)."""
+    from ray_integration import ElasticTrainer
+    from state.checkpoint_lease import read_holder
+    from state.checkpoint_io import Location
+
+    lease = ElasticTrainer(checkpoint_uri=str(tmp_path / "ckpt"), lease_ttl_s=7)._lease("job-ttl")
+    try:
+        assert lease.held and lease.ttl_s == 7.0 and lease.renew_every_s == 7.0 / 5
+        holder = read_holder(Location(lease.uri))
+        assert holder is not None and holder["run_id"] == "job-ttl" and holder["ttl_s"] == 7.0, holder
+    finally:
+        lease.release()

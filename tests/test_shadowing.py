@@ -171,7 +171,29 @@ def test_workers_that_see_a_state_py_the_driver_does_not_end_the_run_with_the_cl
     assert lines, done.stdout + done.stderr
     outcome = json.loads(lines[-1][len("OUTCOME "):])
     text = outcome["text"]
-    assert outcome["type"] in ("RunFailed", "PackageShadowedError"), outcome  # the latter: a check before start
+    assert outcome["type"] == "PackageShadowedError", outcome  # the driver checks before any worker starts
     assert f"{work / 'state.py'} {MARKER} 'state'" in text and "train_state.py" in text, text
     assert "runtime_env={'working_dir': '.'}" not in text, text  # shipping the directory would ship state.py too
+    assert outcome["elapsed"] < 20, f"took {outcome['elapsed']:.1f} s: {text}"
+
+
+def test_workers_alone_importing_a_state_py_end_the_run_at_the_first_with_the_clear_error(tmp_path):
+    # the shadowing folder reaches only the workers (their runtime_env's PYTHONPATH puts it first): the driver's
+    # own check cannot see it, and the first worker's import failure ends the run with the same clear error
+    shadow, scripts = tmp_path / "shadow", tmp_path / "scripts"
+    shadow.mkdir()
+    scripts.mkdir()
+    (shadow / "state.py").write_text("STEP = 0\n")
+    body = DRIVER.replace('ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)',
+                          f'ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, '
+                          f'runtime_env={{"env_vars": {{"PYTHONPATH": "{shadow}:{ROOT}"}}}})')
+    done, _ = run_script(scripts, body, timeout=120)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME ")]
+    assert lines, done.stdout + done.stderr
+    outcome = json.loads(lines[-1][len("OUTCOME "):])
+    text = outcome["text"]
+    assert outcome["type"] == "RunFailed", outcome
+    assert f"{shadow / 'state.py'} {MARKER} 'state'" in text and "train_state.py" in text, text
+    assert "could not start or load fn:" in text, text   # the first failure ends it (no second worker)
+    assert "runtime_env={'working_dir': '.'}" not in text, text
     assert outcome["elapsed"] < 20, f"took {outcome['elapsed']:.1f} s: {text}"

@@ -12,7 +12,10 @@ On one machine, without a GPU (what tests/test_cluster_config.py runs):
 The checkpoint location comes from ``--checkpoint-uri`` or the ``CHECKPOINT_URI`` environment
 variable. Run the same command again after losing the cluster and the job resumes from the newest
 checkpoint there (epoch, step and the sampler's position in the epoch included). On SIGTERM
-(``ray job stop``) it stops at the next commit, writes it, and exits with status 0.
+(``ray job stop``, a Kubernetes pod eviction, the head shutting down) it stops at the next commit,
+writes it, and exits with status 75 (``EX_TEMPFAIL``): the job is unfinished and a rerun resumes it,
+so whatever runs this script (a Kubernetes Job, a KubeRay RayJob with ``backoffLimit``, a scheduler)
+must retry it; 0 means training completed. See :data:`EXIT_STOPPED` and README.md.
 
 The data set is synthetic (labels from fixed random projections), so the script runs
 anywhere with no download; replace :func:`make_dataset` with yours. Everything else is what a real
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import ray
@@ -119,7 +123,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+#: Exit status when training completed.
+EXIT_COMPLETED = 0
+#: Exit status of a run stopped before training completed (SIGTERM; also a forced stop): sysexits.h's
+#: EX_TEMPFAIL, "a temporary failure; retry". Not 0, so job runners retry it (a rerun resumes from the
+#: checkpoint); not 1 (a crash) nor 143 (ended by SIGTERM without stopping cleanly), so a Kubernetes
+#: podFailurePolicy can tell a clean preemption (onExitCodes [75]: Ignore) from a failure.
+EXIT_STOPPED = 75
+#: Exit status of a stop whose final checkpoint write failed: a failure (the storage needs a look),
+#: though a rerun still resumes from the newest checkpoint that was written.
+EXIT_CHECKPOINT_FAILED = 1
+
+
+def exit_code(result) -> int:
+    """What this job's process reports: completed (0), stopped and resumable (75), final write failed (1)."""
+    if result.completed:
+        return EXIT_COMPLETED
+    if result.checkpoint_error is not None:
+        return EXIT_CHECKPOINT_FAILED
+    return EXIT_STOPPED
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ray.init(address=args.address)
     trainer = ElasticTrainer(
@@ -131,13 +156,26 @@ def main(argv: list[str] | None = None) -> None:
         start_timeout_s=args.capacity_wait_s, elastic_timeout_s=args.capacity_wait_s)
     config = {key: getattr(args, key) for key in ("epochs", "samples", "features", "classes", "width", "batch_size",
                                                   "lr", "commit_every")}
+    # SIGTERM from here on is a stop (before run() starts too: run() then returns a stopped Result at once);
+    # run() handles it itself while it runs. After ray.init(), which installs its own SIGTERM handler.
+    signal.signal(signal.SIGTERM, lambda signum, frame: trainer.stop("SIGTERM"))
     result = trainer.run(train, config={**config, "use_gpu": not args.cpu})
     print(f"result: {result.value}")
     print(f"newest checkpoint: {result.checkpoint}")
     for event in result.events:
         print(f"event: {event.kind} round={event.round_id} world={event.world_size}")
+    code = exit_code(result)
+    if result.completed:
+        print("status: completed")
+    else:
+        how = "forced stop" if result.forced else "stopped"
+        print(f"status: {how} ({result.stop_reason}) before training completed; exit {code} so that the job "
+              f"runner retries; the rerun resumes from {result.checkpoint or 'the start (no checkpoint yet)'}")
+    if result.checkpoint_error is not None:
+        print(f"checkpoint error: {result.checkpoint_error}")
     sys.stdout.flush()
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

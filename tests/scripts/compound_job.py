@@ -11,7 +11,10 @@ Scenarios:
                     fail), and at step 24 this driver gets SIGTERM: its final checkpoint fails too
   finish            train to the first epoch end (the stop file is written first) and print the result
 
-The time of the SIGTERM goes to CHAOS_DIR/signaled. The ``finish`` run prints ``RESULT {json}``.
+The time of the SIGTERM goes to CHAOS_DIR/signaled. The ``finish`` run prints ``RESULT {json}``. A stopped
+run prints ``STOPPED {json}`` and exits 0 after a clean stop (its final checkpoint written), 1 after a forced
+stop or when its final checkpoint could not be written (the tests' contract, not a recommendation: examples/cluster/train.py exits
+75 for a clean stop, so that a job runner retries it).
 """
 
 import json
@@ -73,6 +76,11 @@ result = ElasticTrainer(min_workers=2, max_workers=3, checkpoint_uri=checkpoint_
                         checkpoint_every_n_commits=2 if writer else 1000, trusted_checkpoints=writer,
                         heartbeat_timeout_s=5, progress=False).run(
     invariant_job.train, config=job, on_report=on_report, on_event=on_event)
+if result.stopped:
+    print("STOPPED " + json.dumps({"forced": result.forced, "stop_reason": result.stop_reason,
+                                   "checkpoint": result.checkpoint, "checkpoint_error": result.checkpoint_error,
+                                   "events": [e.kind for e in result.events]}), flush=True)
+    sys.exit(1 if result.forced or result.checkpoint_error is not None else 0)
 print("RESULT " + json.dumps({"exact": result.value["exact"], "identical": result.value["identical"],
                               "seen": result.value["seen"], "epochs": result.value["epochs"],
                               "step": result.value["step"],
