@@ -12,6 +12,7 @@ the counts are summed with one allreduce.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import ray
 import torch
@@ -84,6 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(num_cpus=max(4, args.workers), include_dashboard=False)
     result = ElasticTrainer(min_workers=1, max_workers=args.workers).run(train, config={"lr": 0.05, "epochs": args.epochs})
+    if not result.completed:  # stopped (SIGTERM) before fn returned: a job runner should run it again
+        sys.exit(75)
     accuracy = result.value["test_accuracy"]
     print(f"test accuracy {accuracy:.4f} on {result.value['test_images']} held-out images "
           f"after {result.value['epochs']} epochs ({result.value['steps']} steps)")

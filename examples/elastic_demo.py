@@ -22,6 +22,7 @@ commit, sync and membership events for https://ui.perfetto.dev.
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import pathlib
 import signal
@@ -144,6 +145,8 @@ def main() -> None:
     print("world sizes: " + " -> ".join(str(w) for w in worlds))
     for event in result.events:
         print(f"event: {event.kind} round={event.round_id} world={event.world_size} {event.detail}")
+    if not result.completed:  # stopped (SIGTERM) before fn returned: a job runner should run it again
+        sys.exit(75)
     accuracy = result.value["test_accuracy"]
     print(f"test accuracy {accuracy:.4f} ({'target reached' if accuracy >= TARGET_ACCURACY else 'below the target'})")
     plot(result, chaos.actions, pathlib.Path(args.out))

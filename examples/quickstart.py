@@ -12,6 +12,7 @@ at the next commit.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import ray
 import torch
@@ -66,6 +67,8 @@ def main() -> None:
     ray.init(address="local", num_cpus=max(4, args.workers), include_dashboard=False)
     trainer = ElasticTrainer(min_workers=1, max_workers=args.workers)
     result = trainer.run(train, config={"lr": 0.05, "epochs": args.epochs})
+    if not result.completed:  # stopped (SIGTERM) before fn returned: a job runner should run it again
+        sys.exit(75)
     print(f"result: {result.value}")
     print(f"first reported loss {result.metrics[0]['loss']:.4f}, last {result.metrics[-1]['loss']:.4f}")
     for event in result.events:
