@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from elastic_ring.auth import seal_json, unseal_json
-from elastic_ring.errors import AuthenticationError
+from elastic_ring.errors import AuthenticationError, CommError
 
 T = TypeVar("T")
 
@@ -67,15 +67,25 @@ class Channel:
 
     def _reconnect(self, exc: BaseException) -> None:
         if self._connect is not None and not isinstance(exc, dist.DistStoreError):  # a timeout is no broken link
-            self._store = self._connect()
+            try:
+                self._store = self._connect()
+            except CommError as unreachable:  # still unreachable: an OSError, which the caller retries
+                raise OSError(str(unreachable)) from unreachable
             self.reconnects += 1
 
     def send(self, queue_key: str, kind: str, **fields: Any) -> None:
         with self._lock:
             self._sent += 1
             text = seal_json(self._secret, queue_key, {"from": self.sender, "n": self._sent, "k": kind, **fields})
-            with_retries(lambda: self._store.queue_push(queue_key, text), f"sending {kind} to {queue_key}",
+            with_retries(lambda: self._push(queue_key, text), f"sending {kind} to {queue_key}",
                          on_error=self._reconnect)
+
+    def _push(self, queue_key: str, text: bytes) -> None:
+        """Push, then one round trip: a push is fire-and-forget, so the first one into a connection that broke
+        is lost without an error; the round trip then fails and the push is retried (a duplicate that did
+        arrive is dropped by the receiver, which keeps each sender's last message number)."""
+        self._store.queue_push(queue_key, text)
+        self._store.check([queue_key])
 
     def pending(self, queue_key: str) -> int:
         """How many messages wait in ``queue_key`` (read by nobody yet)."""

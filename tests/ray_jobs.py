@@ -18,14 +18,18 @@ N_SAMPLES = 48
 
 class SlowFileSystem(LocalFileSystem):
     """The local file system, where writing a checkpoint's data file takes as many seconds as the file
-    ``SLOW_WRITE_S`` in the checkpoint location holds (slow storage; registered wherever this module is
-    imported: the test's driver and every worker, which import it to run ``train``)."""
+    ``SLOW_WRITE_S`` in the checkpoint location holds (slow storage), and is refused (permission denied)
+    while a file ``REFUSE_WRITES`` is there (registered wherever this module is imported: the test's
+    driver and every worker, which import it to run ``train``)."""
 
     protocol = ("slowfile", "file", "local")  # "file": the checkpoint code treats it as a local disk
 
     def _open(self, path, mode="rb", block_size=None, **kwargs):
         if any(c in mode for c in "wxa") and path.endswith("/data.pt"):
-            control = os.path.join(os.path.dirname(os.path.dirname(path)), "SLOW_WRITE_S")
+            root = os.path.dirname(os.path.dirname(path))
+            if os.path.exists(os.path.join(root, "REFUSE_WRITES")):
+                raise PermissionError(13, "Permission denied (injected)", path)
+            control = os.path.join(root, "SLOW_WRITE_S")
             if os.path.exists(control):
                 with open(control) as f:
                     time.sleep(float(f.read()))
@@ -80,6 +84,8 @@ def train(config: dict):
                     time.sleep(delay_s)
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
+            if config.get("refuse_writes_in") and state.epoch == config.get("epochs", 2):
+                open(os.path.join(config["refuse_writes_in"], "REFUSE_WRITES"), "w").close()  # the last write fails
             state.commit()
         params = er.allgather_object([p.detach() for p in model.parameters()])
         identical = all(torch.equal(a, b) for other in params for a, b in zip(params[0], other))

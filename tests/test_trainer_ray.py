@@ -94,6 +94,20 @@ def test_a_worker_that_loses_its_rendezvous_is_a_lost_worker_not_the_end_of_the_
     assert "recovered" in kinds(result) and "worker_joined" in kinds(result), kinds(result)  # replaced
 
 
+def test_a_failed_final_checkpoint_is_recorded_in_the_result_not_a_failed_run(ray_session, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    result = ElasticTrainer(min_workers=2, max_workers=2, checkpoint_uri=f"slowfile://{ckpt}",
+                            checkpoint_every_n_commits=1, progress=False).run(
+        ray_jobs.train, config={"epochs": 2, "refuse_writes_in": str(ckpt)})
+    check_invariant(result, 2)                      # the training is not undone by its last write failing
+    assert result.completed and result.checkpoint_error, result
+    assert "Permission denied" in result.checkpoint_error
+    final = [e for e in result.events if e.kind == "checkpoint_failed" and e.detail.get("final")]
+    assert final, kinds(result)
+    assert result.checkpoint is not None            # the newest complete checkpoint, from before
+
+
 def test_user_exception_ends_the_run_with_rank_node_and_traceback(ray_session):
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
