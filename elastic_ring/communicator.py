@@ -11,6 +11,14 @@ that peers blocked on it fail fast instead of waiting for their timeout, and
 raises :class:`CommError`. Every later call on an errored communicator raises
 :class:`CommError` at once: the only way forward is a new round.
 
+A round can also be given up from outside: :meth:`Communicator.fail` may be
+called from any thread (``runtime.abort_round`` does, when the driver declares a
+member of the round lost). A collective blocked in ``Work.wait`` on another
+thread then raises :class:`CommError` naming that first cause, without waiting
+for the lost peer or its timeout (gloo: within ``WAIT_SLICE_S``; NCCL: the
+abort ends the kernel). Configuring is interruptible too (see
+:mod:`elastic_ring.formation`).
+
 Backends only move bytes: SUM/MIN/MAX allreduce, broadcast, same-size allgather
 and barrier on contiguous tensors. Averaging, fusion, compression and
 cross-rank checks live in :mod:`elastic_ring.collectives`.
@@ -112,10 +120,18 @@ class Communicator(abc.ABC):
         self.abort()
 
     def fail(self, cause: BaseException) -> CommError:
-        """Record ``cause``, abort, and return the CommError to raise."""
-        if self._error is None:
-            self._error = cause
+        """Record ``cause``, abort, and return the CommError to raise. Thread-safe: when the
+        communicator already failed (e.g. ``runtime.abort_round`` from another thread failed it,
+        which is what ended a collective blocked on it), the error names that first cause."""
+        with self._lock:
+            first = self._error
+            if first is None:
+                self._error = cause
         self.abort()
+        if first is not None and first is not cause:
+            if isinstance(first, CommError):  # it names the rank, the round and the cause already
+                return CommError(str(first))
+            return CommError(f"[{self.spec.identity}] collective failed: {_first_line(first)}")
         if isinstance(cause, CommError):
             return cause
         return CommError(f"[{self.spec.identity}] collective failed: {_first_line(cause)}")

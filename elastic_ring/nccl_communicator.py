@@ -2,6 +2,12 @@
 
 Contract, per round:
 
+* Forming is a :class:`~elastic_ring.formation.Formation`: every rank passes
+  the round's arrival barrier, then exchanges the unique id, both on a helper
+  thread that is abandoned when the round is aborted (``runtime.abort_round``).
+  The creation's polling treats a cancellation as its deadline, and a
+  cancellation during the warm-up collective aborts the communicator, so an
+  aborted round stops forming within milliseconds at every stage.
 * The round's rank 0 creates the NCCL unique id (128 raw bytes) and publishes
   it with ``store.set(prefix + "nccl/unique_id", bytes)``; the other ranks read
   it with ``store.get``. Nothing is pickled.
@@ -30,6 +36,7 @@ Contract, per round:
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -39,6 +46,7 @@ import torch
 from . import nccl_handle, nccl_lib
 from .communicator import Communicator, Work
 from .errors import CommError
+from .formation import Formation
 from .log import get_logger
 from .nccl_handle import CommHandle, settle
 from .nccl_lib import NcclError, NcclUnavailable
@@ -164,7 +172,8 @@ class _NcclWork(Work):
 class NcclCommunicator(Communicator):
     """Communicator of one round over NCCL. ``store`` offers ``set(key, bytes)`` / ``get(key)``."""
 
-    def __init__(self, spec: RingSpec, store, watchdog: Watchdog | None = None) -> None:
+    def __init__(self, spec: RingSpec, store, watchdog: Watchdog | None = None,
+                 formation: Formation | None = None) -> None:
         super().__init__(spec)
         self._handle: CommHandle | None = None
         self._watchdog: Watchdog | None = None
@@ -189,11 +198,15 @@ class NcclCommunicator(Communicator):
         set_eager_connect()
         self._watchdog = watchdog or process_watchdog()
         self._stream = side_stream(self._device)
-        deadline = time.monotonic() + spec.connect_timeout_s
-        unique_id = self._exchange_unique_id(store)
-        self._handle = self._create(unique_id, deadline)
+        formation = formation if formation is not None else Formation(spec, store)
+        deadline = formation.deadline
+        reads = formation.interruptible_store()  # waits for rank 0's id end when the round is aborted
+        unique_id = formation.run(lambda seconds_left: self._exchange_unique_id(reads, seconds_left), None,
+                                  "NCCL unique id exchange")
+        self._handle = self._create(unique_id, deadline, formation)
+        formation.on_cancel(lambda reason: self.watchdog_failed(formation.cancelled_error("during the warm-up")))
         try:
-            self._warm_up(deadline)
+            self._warm_up(deadline, formation)
         except BaseException:
             self._abort_nccl()
             raise
@@ -207,13 +220,15 @@ class NcclCommunicator(Communicator):
         return self.spec.identity
 
     # ------------------------------------------------------------ forming
-    def _exchange_unique_id(self, store) -> bytes:
+    def _exchange_unique_id(self, store, seconds_left: float | None = None) -> bytes:
         key = self.spec.store_prefix + UNIQUE_ID_KEY
         if self.spec.rank == 0:
             unique_id = self._lib.unique_id()
             store.set(key, unique_id)
             return unique_id
         try:
+            if seconds_left is not None:
+                store.wait([key], datetime.timedelta(seconds=seconds_left))
             value = store.get(key)
         except RuntimeError as exc:  # torch's store raises DistStoreError (a RuntimeError) on its timeout
             raise CommError(
@@ -222,19 +237,30 @@ class NcclCommunicator(Communicator):
             ) from exc
         return check_unique_id(value, self.spec.identity)
 
-    def _create(self, unique_id: bytes, deadline: float) -> CommHandle:
+    def _create(self, unique_id: bytes, deadline: float, formation: Formation) -> CommHandle:
         spec = self.spec
-        with torch.cuda.device(self._device):
-            return nccl_handle.create(self._lib, spec.world_size, unique_id, spec.rank, deadline,
-                                      f"{spec.identity} on {self._device}", spec.connect_timeout_s)
 
-    def _warm_up(self, deadline: float) -> None:
+        def clock() -> float:  # a cancelled formation is past its deadline: the creation is aborted at once
+            return float("inf") if formation.cancelled else time.monotonic()
+
+        try:
+            with torch.cuda.device(self._device):
+                return nccl_handle.create(self._lib, spec.world_size, unique_id, spec.rank, deadline,
+                                          f"{spec.identity} on {self._device}", spec.connect_timeout_s, clock=clock)
+        except CommError as exc:
+            if formation.cancelled:
+                raise formation.cancelled_error("the NCCL communicator's creation was aborted") from exc
+            raise
+
+    def _warm_up(self, deadline: float, formation: Formation) -> None:
         """One tiny allreduce under the watchdog: every peer connected, or CommError."""
         timeout_s = max(deadline - time.monotonic(), 1.0)
         probe = torch.zeros(1, dtype=torch.int32, device=self._device)
         try:
             self._guarded(self._allreduce, probe, ReduceOp.SUM, timeout_s).wait()
         except CommError as exc:
+            if formation.cancelled:
+                raise formation.cancelled_error("the NCCL warm-up collective was aborted") from exc
             raise CommError(f"[{self.spec.identity}] the NCCL ring did not connect within connect_timeout_s="
                             f"{self.spec.connect_timeout_s}: {exc}") from exc
 

@@ -10,6 +10,15 @@ shared by all rounds that use the same store. Every round's communicator sees
 the store through :class:`~elastic_ring.auth.AuthenticatedStore` under the
 spec's ``auth_key``, so gloo's and NCCL's rendezvous values are authenticated.
 
+Forming is interruptible (:mod:`elastic_ring.formation`): an arrival barrier,
+then the backend's construction on a helper thread. :func:`abort_round` (from
+any thread; the worker actor calls it when the driver declares a member of a
+round dead) fails the current communicator of that round or an older one (a
+collective blocked on it in another thread raises :class:`CommError`), cancels
+a formation of such a round in progress, and makes a later ``init`` of such a
+round raise at once. The abort mark is kept per store and job, like the last
+round id.
+
 When no ring is formed yet and a *ring provider* is installed (the elastic
 loop installs one with its rendezvous), the first call that needs the ring
 (``er.rank()``, a collective, ...) forms it through the provider. That is how
@@ -32,6 +41,7 @@ from . import identity as ring_identity
 from .auth import AuthenticatedStore, new_secret
 from .communicator import Communicator
 from .errors import CommError, NotInitializedError
+from .formation import Formation
 from .log import get_logger
 from .spec import RingSpec, StoreAddress
 
@@ -43,6 +53,13 @@ _stores: dict[StoreAddress, dist.TCPStore] = {}
 _last_round: dict[tuple[StoreAddress, str], int] = {}
 _ring_provider: Callable[[], None] | None = None
 _teardown_hooks: list[Callable[[], None]] = []
+
+_JobKey = tuple[StoreAddress, str]
+# abort_round's state: never waits for ``_lock`` (which a formation holds for its whole length).
+_abort_lock = threading.Lock()
+_aborted: dict[_JobKey | None, tuple[int, str]] = {}  # job -> (highest aborted round, its reason); None: no job yet
+_job: _JobKey | None = None  # the job of the latest init: the one abort_round's round ids refer to
+_forming: Formation | None = None  # the formation in progress (init holds _lock: at most one)
 
 
 def set_ring_provider(provider: Callable[[], None] | None) -> None:
@@ -78,14 +95,57 @@ def _store_client(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
     return store
 
 
-def _create(spec: RingSpec, store: dist.Store) -> Communicator:
+def _create(spec: RingSpec, store: dist.Store, formation: Formation) -> Communicator:
     if spec.backend == "gloo":
         from .gloo_communicator import GlooCommunicator
 
-        return GlooCommunicator(spec, store)
+        return GlooCommunicator(spec, store, formation)
     from .nccl_communicator import NcclCommunicator
 
-    return NcclCommunicator(spec, store)
+    return NcclCommunicator(spec, store, formation=formation)
+
+
+def abort_round(round_id: int, reason: str) -> None:
+    """The driver says round ``round_id`` lost a member: give up this process's rings of that round
+    and older ones. Thread-safe and non-blocking (it never waits for a formation or a collective):
+
+    * the current communicator, if its round is ``<= round_id`` and it is still in use, fails with a
+      :class:`CommError` naming ``reason``: a collective blocked on it in another thread raises that
+      within about 0.1 s (gloo; NCCL: its abort ends the kernels), and so does every later call;
+    * a formation of a round ``<= round_id`` in progress raises :class:`CommError` at once;
+    * a later :func:`init` of a round ``<= round_id`` of the same job raises :class:`CommError` at
+      once (the abort may come before this process starts forming that round).
+
+    Rounds ``> round_id`` are never affected. The mark is kept for the job (store and job id) of the
+    latest :func:`init` (before the first one: for the first job this process joins).
+    """
+    if isinstance(round_id, bool) or not isinstance(round_id, int) or round_id < 0:
+        raise ValueError(f"abort_round: round_id={round_id!r} must be a round id (an int >= 0)")
+    reason = str(reason) or "no reason given"
+    with _abort_lock:
+        mark = _aborted.get(_job)
+        if mark is None or round_id > mark[0]:
+            _aborted[_job] = (round_id, reason)
+        forming, comm = _forming, _current
+    if forming is not None and forming.spec.round_id <= round_id:
+        _log.warning("[%s] round %d aborted while forming: %s", forming.spec.identity, round_id, reason)
+        forming.cancel(reason)
+    if comm is not None and comm.spec.round_id <= round_id and not (comm.closed or comm.errored):
+        _log.warning("[%s] round %d aborted: %s; failing the communicator", comm.spec.identity, round_id, reason)
+        comm.fail(CommError(f"[{comm.spec.identity}] round {comm.spec.round_id} was aborted: {reason}"
+                            + _older(comm.spec.round_id, round_id)))
+
+
+def _older(this: int, aborted: int) -> str:
+    return "" if this == aborted else f" (every round up to {aborted} was aborted)"
+
+
+def _check_not_aborted_locked(spec: RingSpec, key: _JobKey) -> None:
+    """Under ``_abort_lock``: CommError if ``spec``'s round was aborted before it formed."""
+    mark = _aborted.get(key)
+    if mark is not None and spec.round_id <= mark[0]:
+        raise CommError(f"[{spec.identity}] round {spec.round_id} was aborted before it formed: {mark[1]}"
+                        f"{_older(spec.round_id, mark[0])}; wait for a later round")
 
 
 def init(spec: RingSpec) -> Communicator:
@@ -93,9 +153,10 @@ def init(spec: RingSpec) -> Communicator:
 
     Aborts the previous round's communicator first. Raises :class:`CommError` if
     the ring cannot be formed within ``spec.connect_timeout_s`` (a peer is
-    missing), and ``ValueError`` if ``spec.round_id`` does not increase.
+    missing; the error names the ranks that did not arrive), if the round is
+    aborted (:func:`abort_round`) before or while it forms, and ``ValueError`` if
+    ``spec.round_id`` does not increase.
     """
-    global _current
     if not isinstance(spec, RingSpec):
         raise TypeError(f"elastic_ring.init expects a RingSpec, got {type(spec).__name__}")
     if spec.auth_key is None and spec.world_size == 1:
@@ -113,14 +174,59 @@ def init(spec: RingSpec) -> Communicator:
                 f"RingSpec.round_id={spec.round_id} does not increase (this process already formed round {last} "
                 f"of job {spec.job_id!r} on this store); every new round needs a larger id"
             )
-        _shutdown_locked()
         _last_round[key] = spec.round_id
+        _enter_job(key)
         started = time.monotonic()
-        store = AuthenticatedStore(_store_client(spec.store, spec.connect_timeout_s), spec.auth_key)
-        _current = _create(spec, store)
-        ring_identity.set_current(ring_identity.RingIdentity.of(_current.spec))
+        comm = _form(spec, key)
+        ring_identity.set_current(ring_identity.RingIdentity.of(comm.spec))
         _log.debug("formed %s ring of %d in %.3f s", spec.backend, spec.world_size, time.monotonic() - started)
-        return _current
+        return comm
+
+
+def _enter_job(key: _JobKey) -> None:
+    """Under ``_lock``: ``key`` is now the job abort_round refers to (it inherits a mark made
+    before this process's first init)."""
+    global _job
+    with _abort_lock:
+        _job = key
+        early = _aborted.pop(None, None)
+        if early is not None and early[0] > _aborted.get(key, (-1, ""))[0]:
+            _aborted[key] = early
+
+
+def _form(spec: RingSpec, key: _JobKey) -> Communicator:
+    """Under ``_lock``: leave the previous ring, form ``spec``'s communicator as a cancellable
+    formation and publish it, unless its round was aborted before or meanwhile (then CommError)."""
+    global _current, _forming
+    try:
+        with _abort_lock:
+            _check_not_aborted_locked(spec, key)
+    finally:
+        _shutdown_locked()
+    client = _store_client(spec.store, spec.connect_timeout_s)
+    store = AuthenticatedStore(client, spec.auth_key)
+    formation = Formation(spec, store)
+    with _abort_lock:
+        _check_not_aborted_locked(spec, key)  # it may have come while this rank connected to the store
+        _forming = formation
+    try:
+        comm = _create(spec, store, formation)
+    except BaseException:
+        if formation.store_held and _stores.get(spec.store) is client:
+            # an abandoned helper may hold this connection's lock until its own deadline
+            del _stores[spec.store]
+        raise
+    finally:
+        with _abort_lock:
+            _forming = None
+    with _abort_lock:
+        try:
+            _check_not_aborted_locked(spec, key)  # the abort came after the formation ended
+        except CommError:
+            comm.abort()
+            raise
+        _current = comm
+    return comm
 
 
 def _shutdown_locked() -> None:
