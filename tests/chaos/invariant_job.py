@@ -69,10 +69,10 @@ def _arm_formation_fault() -> None:
     _FORMATION_ARMED = True
     create = er.runtime._create
 
-    def dying_create(spec, store):
+    def dying_create(spec, *args, **kwargs):
         if _FORMATION_ARMED:
             _die()
-        return create(spec, store)
+        return create(spec, *args, **kwargs)
 
     er.runtime._create = dying_create
 
