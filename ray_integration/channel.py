@@ -77,15 +77,12 @@ class Channel:
         with self._lock:
             self._sent += 1
             text = seal_json(self._secret, queue_key, {"from": self.sender, "n": self._sent, "k": kind, **fields})
-            with_retries(lambda: self._push(queue_key, text), f"sending {kind} to {queue_key}",
+            # A push is fire-and-forget (no round trip: a stalled driver, whose process holds the store, must not
+            # block the workers' training): the first push into a connection that broke is lost without an
+            # error, the next one fails and is retried over a fresh connection. What the driver must not miss
+            # (the generation a worker waits for, that it holds the state) rides in every heartbeat too.
+            with_retries(lambda: self._store.queue_push(queue_key, text), f"sending {kind} to {queue_key}",
                          on_error=self._reconnect)
-
-    def _push(self, queue_key: str, text: bytes) -> None:
-        """Push, then one round trip: a push is fire-and-forget, so the first one into a connection that broke
-        is lost without an error; the round trip then fails and the push is retried (a duplicate that did
-        arrive is dropped by the receiver, which keeps each sender's last message number)."""
-        self._store.queue_push(queue_key, text)
-        self._store.check([queue_key])
 
     def pending(self, queue_key: str) -> int:
         """How many messages wait in ``queue_key`` (read by nobody yet)."""

@@ -17,6 +17,8 @@ from .devices import check_gpus_per_worker
 _OWNER = "ElasticTrainer"
 #: The persistence cadence used when only checkpoint_uri is given (plus a checkpoint at every stop and drain).
 DEFAULT_CHECKPOINT_EVERY_S = 300.0
+#: A worker waiting for its ring gives up after max(this, 3 x heartbeat_timeout_s) without a word from the driver.
+DRIVER_SILENCE_MIN_S = 60.0
 #: lease_ttl_s bounds: renewals (every ttl / 5) must be able to retry a blip; a successor waits at most the upper.
 LEASE_TTL_RANGE_S = (1.0, 120.0)
 
@@ -136,6 +138,13 @@ class TrainerConfig:
         if self.checkpoint_every_n_commits is None and self.checkpoint_every_s is None:
             return None, DEFAULT_CHECKPOINT_EVERY_S
         return self.checkpoint_every_n_commits, self.checkpoint_every_s
+
+    @property
+    def driver_silence_s(self) -> float:
+        """How long a worker waiting for its ring waits without a word from the driver: long enough that a
+        stalled driver (a GC pause, a starved head node) loses no worker; a driver that is gone ends its
+        actors through Ray anyway."""
+        return max(DRIVER_SILENCE_MIN_S, 3 * self.heartbeat_timeout_s)
 
     @property
     def worker_gpus(self) -> float:

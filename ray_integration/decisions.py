@@ -118,21 +118,33 @@ def after_probe(probe: Probe) -> Verdict:
 UNHEARD_TO_FAIL = 2
 
 
-def unheard_verdict(worker_id: str, times: int, forged: int) -> str | None:
-    """The run's error once a live worker's messages went missing ``times`` times in a row, else None."""
+def unheard_verdict(worker_id: str, times: int, forged: int, others_heard: bool) -> tuple[Verdict, str | None]:
+    """What to do when a live worker's messages went missing ``times`` times in a row. While the driver hears
+    the other workers, it is that worker's connection to the store: a lost worker (KILL, replaced). When it
+    hears none, something takes the job's messages: after UNHEARD_TO_FAIL times the run ends naming it."""
+    if others_heard:
+        return Verdict.KILL, (f"it answers through Ray, but its messages stopped reaching the driver while the other "
+                              f"workers' arrive (its connection to the job's store is broken)")
     if times < UNHEARD_TO_FAIL:
-        return None
-    return (f"worker {worker_id} answers through Ray, but none of its messages reached the driver for "
-            f"{times} heartbeat timeouts in a row, and {forged} messages that failed authentication were dropped: "
+        return Verdict.UNHEARD, None
+    return Verdict.UNHEARD, _tampering(worker_id, times, forged)
+
+
+def _tampering(worker_id: str, times: int, forged: int) -> str:
+    return (f"worker {worker_id} answers through Ray, but none of its messages (nor any other worker's) reached "
+            f"the driver for {times} heartbeat timeouts in a row, and {forged} messages that failed authentication were dropped: "
             "something that is not part of the job takes or corrupts messages in the job's rendezvous store "
             "(tampering), or the worker's connection to it is broken. See docs/security.md: restrict who can "
             "reach the driver node's ports (bind_address, a firewall)")
 
 
-def driver_stalled(gap_s: float, limits: Limits) -> bool:
+def driver_stalled(gap_s: float, since_last_grace_s: float, limits: Limits) -> bool:
     """The driver's own loop did not run for ``gap_s`` (a GC pause, a stopped or starved process):
-    the workers' silence during it is the driver's, so every worker gets a fresh grace."""
-    return gap_s > max(STALL_GAP_MIN_S, 2 * limits.heartbeat_interval_s)
+    the workers' silence during it is the driver's, so every worker gets a fresh grace. At most one grace
+    per heartbeat_timeout_s: a loop that is slow on every tick (a slow on_report) must not keep a frozen
+    worker alive forever."""
+    return gap_s > max(STALL_GAP_MIN_S, 2 * limits.heartbeat_interval_s) and \
+        since_last_grace_s > limits.heartbeat_timeout_s
 
 
 #: The driver loop wakes at least every 0.1 s; a gap longer than this (or two heartbeats) is a stall of its own.
@@ -182,9 +194,11 @@ class ReformDecision:
 
 
 def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_had_state: bool,
-                    waited_s: float, limits: Limits, checkpoint: bool = False) -> ReformDecision:
+                    waited_s: float, limits: Limits, checkpoint: bool = False,
+                    drain_saved: bool = False) -> ReformDecision:
     """The re-forming ring's next step. ``waited_s``: since the re-form began (driver clock);
-    ``checkpoint``: a durable checkpoint of the job's state exists (written or resumed in this run)."""
+    ``checkpoint``: a durable checkpoint of the job's state exists (written or resumed in this run);
+    ``drain_saved``: one was written after the drain notice that asked for it (the drain commit itself)."""
     alive = [m for m in members if m.alive]
     if any(m.finished for m in alive) and all(m.finished or m.waiting is not None for m in alive):
         return ReformDecision(Step.FINISH)
@@ -201,7 +215,7 @@ def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_ha
         return ReformDecision(Step.STOPPED, "every worker that held the job's state was lost; nothing in memory "
                                             "to save (the newest durable checkpoint stays the newest)")
     if keepers:
-        return _handover(keepers, len(staying) + joiners, checkpoint, waited_s, limits)
+        return _handover(keepers, len(staying) + joiners, drain_saved, waited_s, limits)
     if checkpoint:   # every holder is gone, but the state is durable: resume from it in this run
         return _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits, resume=True)
     return ReformDecision(Step.FAIL, (
@@ -227,7 +241,7 @@ def _form_or_wait(available: int, stop: bool, staying: list[MemberView], waited_
     return ReformDecision(Step.FORM, "resume from the newest durable checkpoint" if resume else "")
 
 
-def _handover(keepers: list[MemberView], takers: int, checkpoint: bool, waited_s: float,
+def _handover(keepers: list[MemberView], takers: int, drain_saved: bool, waited_s: float,
               limits: Limits) -> ReformDecision:
     """Only leaving members hold the state. Hand it to any taker at once; without one, wait while the
     drain allows (capacity may come), then let them go if the state is durable, else fail."""
@@ -237,14 +251,15 @@ def _handover(keepers: list[MemberView], takers: int, checkpoint: bool, waited_s
     near = min(deadlines) <= DRAIN_MARGIN_S if deadlines else waited_s > limits.capacity_wait_s
     if not near:
         return ReformDecision(Step.WAIT)
-    if checkpoint:
+    if drain_saved:
         return ReformDecision(Step.RELEASE, "no worker came to take the state before the drain deadline; it is in "
                                             "the drain commit's durable checkpoint, and the job resumes from it "
                                             "when capacity comes")
     return ReformDecision(Step.FAIL, (
         "every worker holding the job's state is on a draining node, no other worker came to take the state "
-        "before the drain deadline, and no checkpoint_uri is set to keep it; set checkpoint_uri (the drain commit "
-        "is then written durably and the job resumes when capacity returns), or keep capacity for replacements"))
+        "before the drain deadline, and no durable checkpoint of the drain commit was written to keep it; set "
+        "checkpoint_uri (the drain commit is then written durably and the job resumes when capacity returns; "
+        "if it is set, the checkpoint_failed events say why the write failed), or keep capacity for replacements"))
 
 
 def should_grow(world_size: int, ready_joiners: int, max_workers: int, change_pending: bool, stopping: bool) -> bool:
@@ -317,3 +332,10 @@ def start_failure_verdict(kinds: list[StartFailureKind]) -> int | None:
         if seen[kind] >= START_FAILURES_TO_GIVE_UP[kind]:
             return i
     return None
+
+
+def defer_for_backlog(backlog: int, deferred_s: float | None, limits: Limits) -> bool:
+    """Hold a silence verdict while the driver's inbox still holds unread messages (they may be the
+    silent worker's heartbeats), but for at most two heartbeat intervals: a steady stream of messages
+    (many workers, or a forger flooding the queue) must not keep a frozen worker alive."""
+    return backlog > 0 and (deferred_s is None or deferred_s < 2 * limits.heartbeat_interval_s)

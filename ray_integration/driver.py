@@ -52,6 +52,9 @@ class Driver:
         self.stop_requested_at: float | None = None
         self.abort_reason: str | None = None  # set by a second SIGTERM or the like: abandon the stop now
         self.tampering: str | None = None     # set when a live worker's messages keep going missing
+        self.deferred_at: float | None = None  # since when silence verdicts wait for the inbox's backlog
+        self.last_grace = float("-inf")
+        self.drain_persist_at: float | None = None  # when a drain notice last asked for a durable commit        # when every worker last got a fresh grace (a driver stall)
 
     # ------------------------------------------------------------ inputs (safe from a signal handler or any thread)
     def request_stop(self, reason: str) -> None:
@@ -144,19 +147,30 @@ class Driver:
                 if r.info is not None and silent is not None and silent > self.limits.heartbeat_timeout_s:
                     verdicts.append((r, Kill(f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s="
                                              f"{self.limits.heartbeat_timeout_s})")))
-        if any(kill.confirm for _, kill in verdicts) and self.pool.inbox_backlog() > 0:
-            verdicts = [(r, kill) for r, kill in verdicts if not kill.confirm]  # read what arrived first
+        if any(kill.confirm for _, kill in verdicts):
+            deferred = None if self.deferred_at is None else now - self.deferred_at
+            if decisions.defer_for_backlog(self.pool.inbox_backlog(), deferred, self.limits):
+                self.deferred_at = self.deferred_at or now
+                verdicts = [(r, kill) for r, kill in verdicts if not kill.confirm]  # read what arrived first
+            else:
+                self.deferred_at = None
+        silent = {r.worker_id for r, kill in verdicts if kill.confirm}
+        others_heard = any(r.worker_id not in silent and r.heard_at is not None and
+                           now - r.heard_at < self.limits.heartbeat_timeout_s / 2 for r in self.pool.live())
         for r, kill in verdicts:
             verdict = decisions.after_probe(self.pool.probe(r, now)) if kill.confirm else Verdict.KILL
+            if verdict is Verdict.UNHEARD:
+                r.unheard += 1
+                verdict, message = decisions.unheard_verdict(r.worker_id, r.unheard, self.pool.forged(), others_heard)
+                if verdict is Verdict.KILL:
+                    kill = Kill(message)
+                else:
+                    r.beat_at = now
+                    self.events.add("messages_lost", self.round_id, self.world_size, worker=r.worker_id,
+                                    times=r.unheard, forged=self.pool.forged())
+                    self.tampering = self.tampering or message
             if verdict is Verdict.KILL:
                 self.pool.kill(r, kill.cause)
-            elif verdict is Verdict.UNHEARD:
-                r.unheard += 1
-                r.beat_at = now
-                self.events.add("messages_lost", self.round_id, self.world_size, worker=r.worker_id,
-                                times=r.unheard, forged=self.pool.forged())
-                self.tampering = self.tampering or decisions.unheard_verdict(r.worker_id, r.unheard,
-                                                                             self.pool.forged())
 
     def count_failure(self) -> str | None:
         """Count one failure; the message that ends the run if too many fell within failure_window_s."""
@@ -244,7 +258,8 @@ class Driver:
             while not state.terminal:
                 self._take_wakeups()
                 now = time.monotonic()
-                if decisions.driver_stalled(now - last, self.limits):
+                if decisions.driver_stalled(now - last, now - self.last_grace, self.limits):
+                    self.last_grace = now
                     self.pool.grace(now)
                     self.events.add("driver_stalled", self.round_id, self.world_size, seconds=round(now - last, 2),
                                     note="every worker was given a fresh heartbeat grace")

@@ -137,6 +137,7 @@ class Running(DriverState):
                                                    sum(1 for r in staying if r.has_state))
         d.pool.notify(members, d.round_id, change=True, persist=persist)
         if persist:
+            d.drain_persist_at = time.monotonic()
             d.events.add("persist_requested", d.round_id, d.world_size, why="drain",
                          deadline_s=d.drain_deadline_s(newly))
         self.change_requested = True
@@ -197,8 +198,8 @@ class Reforming(DriverState):
         # Only a failure makes a member that stays away suspect; at a membership change, a member still away
         # is writing the commit the driver asked for (a drain or a stop), which has its own deadline.
         d.kill_silent(d.members(), failure_age_s=time.monotonic() - self.since if self.reason == "failure" else None)
-        d.report_lost()
-        if self.reason == "failure" and not self.counted:
+        lost = d.report_lost()
+        if (self.reason == "failure" or lost) and not self.counted:  # a death at a membership change counts too
             self.counted = True
             message = d.count_failure()
             if message:
@@ -208,7 +209,9 @@ class Reforming(DriverState):
         joiners = [] if stopping else d.joiners()
         decision = decisions.reform_decision([d.view(r) for r in members], len(joiners), stopping,
                                              d.ever_had_state(), time.monotonic() - self.since, d.limits,
-                                             checkpoint=d.pool.durable_checkpoint is not None)
+                                             checkpoint=d.pool.durable_checkpoint is not None,
+                                             drain_saved=d.drain_persist_at is not None and
+                                             d.pool.durable_at > d.drain_persist_at)
         if decision.step is Step.WAIT:
             if stopping and decisions.stop_overdue(d.stop_age_s(), d.limits):
                 return d.stop_overdue()

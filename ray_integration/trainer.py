@@ -284,7 +284,7 @@ class ElasticTrainer:
             receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
             # a SimpleQueue: its put() is reentrant, so stop() may put from a SIGTERM handler on this thread
             wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
-            settings = {"driver_silence_s": self.config.heartbeat_timeout_s,
+            settings = {"driver_silence_s": self.config.driver_silence_s,
                         "flush_timeout_s": self.config.stop_timeout_s, "checkpoint": self._checkpoint_config(keys.job),
                         "use_gpu": self.config.use_gpu, "timeline": timeline is not None}
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)

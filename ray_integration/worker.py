@@ -22,10 +22,15 @@ import elastic_ring as er
 import state as state_pkg
 from elastic_ring.store import connect
 
+from elastic_ring.log import get_logger
+
 from .channel import Channel, with_retries
 from .devices import worker_cuda_device
 from .protocol import Keys
 from .worker_rendezvous import JobStopped, WorkerRendezvous
+
+
+_log = get_logger(__name__)
 
 
 class WorkerGaveUp(RuntimeError):
@@ -91,14 +96,18 @@ class RingWorker:
     def _beat(self) -> None:
         self._beats += 1
         waiting = self._rendezvous.waiting if self._rendezvous is not None else None
-        self._send.send(self._keys.driver_inbox, "hb", seq=self._beats,
+        synced = self._rendezvous is not None and self._rendezvous.holds_state
+        self._send.send(self._keys.driver_inbox, "hb", seq=self._beats, synced=synced,
                         waiting=waiting[0] if waiting else 0, reason=waiting[1] if waiting else None)
 
     def _heartbeat(self) -> None:
         try:
             while not self._stop.wait(self._interval_s):
-                self._beat()  # (sends retry store errors with backoff)
-                self._flush_timeline()
+                try:
+                    self._beat()  # (sends retry store errors with backoff, over a fresh connection)
+                    self._flush_timeline()
+                except (RuntimeError, OSError) as exc:  # the store is unreachable for now: keep beating
+                    _log.warning("worker %s: heartbeat failed (%s); trying again", self.worker_id, exc)
         except BaseException as exc:  # surfaced to the driver, which then names it when it declares us dead
             try:
                 self._send.send(self._keys.driver_inbox, "fault", what="heartbeat thread",

@@ -61,7 +61,8 @@ class WorkerRecord:
     probe_ref: Any = None           # a ping through Ray in flight (see WorkerPool.probe)
     probe_at: float = 0.0
     beat_seq: int = 0               # its heartbeat counter, as last seen
-    beat_at: float | None = None    # when that counter last advanced (driver clock)
+    beat_at: float | None = None    # when that counter last advanced (driver clock), or a grace began
+    heard_at: float | None = None   # when that counter last advanced (a grace does not move it)
     fault: str | None = None        # what a worker thread reported before it failed
     value: Any = None
     user_error: WorkerError | None = None
@@ -110,6 +111,7 @@ class WorkerPool:
         self._ready_seq = itertools.count()
         self._by_ref: dict[Any, tuple[str, str]] = {}   # ObjectRef -> (worker id, "info" | "run")
         self.durable_checkpoint: str | None = None  # the newest checkpoint of the job's state (written or resumed)
+        self.durable_at = float("-inf")  # when the driver learned of the last one written (driver clock)
         self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
 
     # ------------------------------------------------------------ effects
@@ -237,7 +239,10 @@ class WorkerPool:
         kind, now = msg["k"], time.monotonic()
         if kind == "hb":
             if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
-                record.beat_seq, record.beat_at, record.unheard, record.probe_ref = msg["seq"], now, 0, None
+                record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
+                record.unheard, record.probe_ref = 0, None
+            if msg.get("synced") is True:
+                record.has_state = True
             waiting = msg.get("waiting")
             if isinstance(waiting, int) and waiting > 0:
                 self._note_request(record, waiting, msg.get("reason"))
@@ -260,7 +265,7 @@ class WorkerPool:
         elif kind == "checkpoint" and isinstance(msg.get("event"), dict):
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
             if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
-                self.durable_checkpoint = msg["event"]["uri"]
+                self.durable_checkpoint, self.durable_at = msg["event"]["uri"], now
         elif kind == "fault":
             record.fault = f"{msg.get('what')}: {msg.get('error')}"
 

@@ -79,6 +79,11 @@ class WorkerRendezvous:
                 self._handover_round = spec.round_id
             return spec
 
+    @property
+    def holds_state(self) -> bool:
+        """It completed a sync (repeated in every heartbeat, in case the ``synced`` message was lost)."""
+        return bool(self._synced_rounds)
+
     def synced(self) -> None:
         """This worker holds the job's state now (the driver roots rings only at such workers)."""
         round_id = er.round_id()

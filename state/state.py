@@ -34,6 +34,7 @@ import elastic_ring as er
 from elastic_ring.log import get_logger
 
 from . import membership
+from .checkpoint_errors import CheckpointError
 from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointStore
 from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
@@ -154,7 +155,12 @@ class State:
             if self._writer is None:
                 _log.warning("asked to persist this commit, but no checkpoint_uri is set; continuing without")
             else:
-                uri = self.persist_now()
+                try:
+                    uri = self.persist_now()
+                except CheckpointError as exc:  # a checkpoint_failed event already says so; the ring goes on
+                    _log.error("the durable write of this commit (asked for by the driver) failed: %s; the ring "
+                               "goes on, and a stop's final flush reports it in the run's result", exc)
+                    uri = None
                 if uri is not None:
                     _log.info("persisted %s", uri)
         if stop:

@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 from ray_integration import ElasticTrainer
 from tests import ray_jobs
 from tests.test_preemption import pids_with
@@ -86,6 +88,7 @@ def autoscaling_config(gcs_address: str) -> dict:
     }
 
 
+@pytest.mark.slow  # ~70 s with a real autoscaler; CI covers the per-job demand in-process (the test above)
 def test_job_grows_with_the_autoscaler_and_leaves_another_partys_demand(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="/tmp/era")
     port, dashboard = free_port(), free_port()

@@ -192,6 +192,7 @@ def run_train_script(checkpoint_dir: pathlib.Path, epochs: int) -> tuple[dict, s
     return ast.literal_eval(lines["result"]), lines["newest checkpoint"]
 
 
+@pytest.mark.slow  # ~18 s; CI runs the same script in the SIGTERM test (exit 75)
 def test_train_script_trains_on_cpu_and_writes_checkpoints(tmp_path):
     result, newest = run_train_script(tmp_path / "ckpt", epochs=1)
     assert result["epochs"] == 1 and result["world_size"] == 2 and result["resumed_from"] is None, result

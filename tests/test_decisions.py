@@ -48,21 +48,38 @@ def test_after_probe(probe, verdict):
     assert decisions.after_probe(probe) is verdict
 
 
-@pytest.mark.parametrize("times, fails", [(0, False), (1, False), (2, True), (5, True)])
-def test_unheard_twice_in_a_row_names_tampering(times, fails):
-    message = decisions.unheard_verdict("w1", times, forged=3)
-    assert (message is not None) == fails
-    if fails:
-        assert "tampering" in message and "w1" in message and "3 messages" in message
-
-
-@pytest.mark.parametrize("gap_s, interval_s, stalled", [
-    (0.1, 0.5, False), (0.9, 0.5, False), (1.1, 0.5, True),   # a gap of its own loop, past 1 s
-    (1.5, 1.0, False), (2.1, 1.0, True),                      # or past two heartbeats, whichever is longer
+@pytest.mark.parametrize("times, others_heard, verdict, names", [
+    (1, False, decisions.Verdict.UNHEARD, None),        # nobody is heard: a fresh grace, once
+    (2, False, decisions.Verdict.UNHEARD, "tampering"),  # twice in a row: the run ends naming it
+    (5, False, decisions.Verdict.UNHEARD, "tampering"),
+    (1, True, decisions.Verdict.KILL, "connection to the job's store is broken"),  # only this one: a lost worker
 ])
-def test_driver_stalled(gap_s, interval_s, stalled):
+def test_unheard_twice_in_a_row_names_tampering(times, others_heard, verdict, names):
+    got, message = decisions.unheard_verdict("w1", times, forged=3, others_heard=others_heard)
+    assert got is verdict
+    assert (message is None) == (names is None)
+    if names:
+        assert names in message
+    if names == "tampering":
+        assert "w1" in message and "3 messages" in message
+
+
+@pytest.mark.parametrize("gap_s, interval_s, since_grace_s, stalled", [
+    (0.1, 0.5, 99, False), (0.9, 0.5, 99, False), (1.1, 0.5, 99, True),   # a gap of its own loop, past 1 s
+    (1.5, 1.0, 99, False), (2.1, 1.0, 99, True),                          # or past two heartbeats
+    (5.0, 0.5, 9.0, False),   # at most one grace per heartbeat_timeout_s (10): a slow loop keeps no frozen worker
+])
+def test_driver_stalled(gap_s, interval_s, since_grace_s, stalled):
     limits = TrainerConfig(heartbeat_interval_s=interval_s, heartbeat_timeout_s=10).limits
-    assert decisions.driver_stalled(gap_s, limits) is stalled
+    assert decisions.driver_stalled(gap_s, since_grace_s, limits) is stalled
+
+
+@pytest.mark.parametrize("backlog, deferred_s, defer", [
+    (0, None, False), (3, None, True), (3, 0.9, True),
+    (3, 1.1, False),   # at most two heartbeat intervals (0.5 s): a flood of messages keeps no frozen worker
+])
+def test_silence_verdicts_wait_for_the_inbox_but_not_forever(backlog, deferred_s, defer):
+    assert decisions.defer_for_backlog(backlog, deferred_s, LIMITS) is defer
 
 
 def test_stuck_deadline_follows_the_timeouts_so_raising_one_never_kills_survivors_forming_a_ring():
@@ -139,9 +156,9 @@ LV = dict(leaving=True, waiting="membership", has_state=True)   # a leaving hold
     ([M("a", **LV), M("j", waiting="membership")], 0, False, 1, False, Step.HANDOVER, ""),
     # nobody to take it yet: wait while the drain deadline allows
     ([M("a", leave_in_s=20, **LV), M("b", leave_in_s=25, **LV)], 0, False, 1, True, Step.WAIT, ""),
-    # the deadline is near: let them go if the state is durable, else fail saying exactly that
+    # the deadline is near: let them go if the drain commit is durable, else fail saying exactly that
     ([M("a", leave_in_s=4, **LV), M("b", leave_in_s=25, **LV)], 0, False, 1, True, Step.RELEASE, "checkpoint"),
-    ([M("a", leave_in_s=4, **LV)], 0, False, 1, False, Step.FAIL, "no checkpoint_uri"),
+    ([M("a", leave_in_s=4, **LV)], 0, False, 1, False, Step.FAIL, "no durable checkpoint of the drain commit"),
     # a drain without a deadline: wait up to elastic_timeout_s (20) for a taker
     ([M("a", **LV)], 0, False, 19, True, Step.WAIT, ""),
     ([M("a", **LV)], 0, False, 21, True, Step.RELEASE, "checkpoint"),
@@ -159,9 +176,19 @@ LV = dict(leaving=True, waiting="membership", has_state=True)   # a leaving hold
     ([M("a", **LV), M("b", waiting="membership", has_state=True)], 1, False, 1, False, Step.FORM, ""),
 ])
 def test_drain_and_durable_resume_decisions(members, joiners, stop, waited_s, checkpoint, expected, says):
-    decision = decisions.reform_decision(members, joiners, stop, True, waited_s, LIMITS, checkpoint=checkpoint)
+    # (here "checkpoint" is both: one exists, and it is the drain commit's)
+    decision = decisions.reform_decision(members, joiners, stop, True, waited_s, LIMITS, checkpoint=checkpoint,
+                                         drain_saved=checkpoint)
     assert decision.step is expected, decision
     assert says in decision.message
+
+
+def test_an_older_checkpoint_is_no_reason_to_let_the_leavers_go():
+    # a checkpoint exists, but not of the drain commit (its write failed, or was never asked for): the leavers
+    # with the only live state are not released onto an older checkpoint (a silent rollback)
+    leaving = [M("a", leave_in_s=4, **LV)]
+    decision = decisions.reform_decision(leaving, 0, False, True, 1, LIMITS, checkpoint=True, drain_saved=False)
+    assert decision.step is Step.FAIL and "drain commit" in decision.message
 
 
 @pytest.mark.parametrize("ages, max_failures, window_s, gives_up", [
@@ -181,7 +208,9 @@ def test_give_up_after_failure(ages, max_failures, window_s, gives_up):
 
 def test_the_defaults_survive_an_hourly_preemption_forever():
     limits = TrainerConfig().limits
-    assert decisions.give_up_after_failure([0.0, 3600.0], limits) is None
+    month = [3600.0 * k for k in range(24 * 30)]   # the ages of a month of hourly preemptions
+    assert decisions.give_up_after_failure(month, limits) is None
+    assert decisions.give_up_after_failure([60.0 * k for k in range(11)], limits)  # a crash loop still ends it
 
 
 @pytest.mark.parametrize("remaining, min_workers, staying_holders, persist", [

@@ -70,6 +70,7 @@ def finish(paths) -> dict:
     return json.loads(line[0][len("RESULT "):])
 
 
+@pytest.mark.slow  # ~40 s; CI covers resuming a run in tests/test_trainer_ray.py and the SIGTERM resume below
 def test_whole_cluster_sigkilled_then_the_same_script_resumes(job):
     proc = start(job)
     killed_at_step = wait_for_step(job["progress"], 14)

@@ -6,6 +6,8 @@ job resumes from it in the same run when capacity comes; without a checkpoint_ur
 import threading
 import time
 
+import pytest
+
 from ray_integration import ElasticTrainer, RunFailed
 from tests import ray_jobs
 from tests.test_trainer_cluster import cluster, drain, run_in_thread, wait_for_step  # noqa: F401  (fixture)
@@ -42,6 +44,7 @@ def test_a_drain_of_the_node_holding_every_worker_hands_the_live_state_over(clus
     assert result.value["identical"] and result.value["seen"] == [8.0] * ray_jobs.N_SAMPLES
 
 
+@pytest.mark.slow  # ~45 s; CI runs the handover and the clear failure; -m slow runs this and the slow storage one
 def test_no_capacity_before_the_deadline_resumes_from_the_drain_checkpoint_in_the_same_run(cluster, tmp_path):
     holder = two_slot_node(cluster)
     progress, ckpt = tmp_path / "progress", str(tmp_path / "ckpt")
@@ -100,6 +103,7 @@ def test_no_capacity_and_no_checkpoint_fails_saying_exactly_that(cluster, tmp_pa
     assert time.monotonic() - started < 8, "it gives up before the node dies, not after"
 
 
+@pytest.mark.slow  # ~50 s (a 12 s write on purpose)
 def test_a_slow_drain_checkpoint_is_work_the_driver_asked_for_not_a_stuck_worker(cluster, tmp_path):
     """Slow storage (each checkpoint write takes 12 s) and a drain that leaves the ring below min_workers:
     rank 0 writes the drain commit the driver asked for, longer than the "stuck in user code" deadline
