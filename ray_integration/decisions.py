@@ -123,8 +123,8 @@ def unheard_verdict(worker_id: str, times: int, forged: int, others_heard: bool)
     the other workers, it is that worker's connection to the store: a lost worker (KILL, replaced). When it
     hears none, something takes the job's messages: after UNHEARD_TO_FAIL times the run ends naming it."""
     if others_heard:
-        return Verdict.KILL, (f"it answers through Ray, but its messages stopped reaching the driver while the other "
-                              f"workers' arrive (its connection to the job's store is broken)")
+        return Verdict.KILL, ("it answers through Ray, but its messages stopped reaching the driver while the other "
+                              "workers' arrive (its connection to the job's store is broken)")
     if times < UNHEARD_TO_FAIL:
         return Verdict.UNHEARD, None
     return Verdict.UNHEARD, _tampering(worker_id, times, forged)

@@ -21,7 +21,7 @@ import elastic_ring as er
 
 from . import decisions
 from .config import TrainerConfig
-from .decisions import Kill, Probe, Verdict
+from .decisions import Kill, Verdict
 from .driver_states import (  # noqa: F401  (re-exported: the trainer and tests use them from here)
     DriverState, Failed, Finished, Reforming, RunFailed, Running, Starting, Stopped,
 )

@@ -5,10 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import signal
 import sys
-import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +25,8 @@ from .events import Event, EventLog
 from .progress import ProgressDisplay
 from .protocol import DRIVER, Keys
 from .timeline_file import TimelineFile
+from .mailroom import Mailroom, RoundKeys, acknowledge, take_last_messages
+from .stopping import Signals, StopControl
 from .worker_pool import WorkerPool
 
 _log = get_logger(__name__)
@@ -64,125 +63,10 @@ def _said(reason: str) -> str:
     return f"{reason} received" if reason.startswith("SIG") else f"stop requested ({reason})"
 
 
-class _StopControl:
-    """The trainer's stop requests, from any thread or a signal handler; applied to the driver of the run.
-
-    A stop asked for while no run is in progress is kept for the next :meth:`ElasticTrainer.run`; every
-    stop asked for while a run is in progress is consumed by that run (the next one starts afresh).
-    The lock is reentrant: a SIGTERM handler runs on the main thread, possibly while it holds the lock.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._token: object | None = None  # the run in progress, if any
-        self.reason: str | None = None
-        self.abort_reason: str | None = None
-        self._driver: Driver | None = None
-        self._wakeups: "queue.SimpleQueue[tuple[str, Any]] | None" = None
-
-    def request(self, reason: str) -> None:
-        with self._lock:
-            if self.reason is None:
-                self.reason = reason
-                if self._driver is not None:
-                    self._driver.request_stop(reason)
-            else:
-                self.abort_reason = f"a second {reason}" if reason == self.reason else \
-                    f"{reason} (a second stop request, after {self.reason})"
-                if self._driver is not None:
-                    self._driver.abort(self.abort_reason)
-            if self._wakeups is not None:
-                self._wakeups.put(("stop", reason))  # SimpleQueue.put is reentrant: safe in a signal handler
-
-    def begin(self) -> tuple[object, str | None]:
-        """A run starts: returns its token and the stop asked for before it (None if none)."""
-        with self._lock:
-            if self._token is not None:
-                raise RuntimeError("ElasticTrainer.run is already running on this trainer (in another thread); "
-                                   "one trainer runs one job at a time: create an ElasticTrainer per concurrent job")
-            self._token = object()
-            return self._token, self.reason
-
-    def attach(self, driver: Driver, wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
-        """From now on stops go to ``driver``; one asked for before is applied at once."""
-        with self._lock:
-            self._driver, self._wakeups = driver, wakeups
-            if self.reason is not None:
-                driver.request_stop(self.reason)
-            if self.abort_reason is not None:
-                driver.abort(self.abort_reason)
-
-    def end(self, token: object) -> str | None:
-        """The run of ``token`` is over: detach, and return (and forget) the stop it consumed."""
-        with self._lock:
-            if self._token is not token:
-                return None  # already ended
-            consumed = self.reason
-            self._token, self._driver, self._wakeups = None, None, None
-            self.reason = self.abort_reason = None
-            return consumed
-
-
-class _Signals:
-    """SIGTERM: stop at the next commit, written durably; a second SIGTERM abandons the stop at once.
-
-    Python delivers signals to the main thread only, so the handler is installed only when ``run()`` is on
-    the main thread; otherwise the caller wires it: ``signal.signal(SIGTERM, lambda *_: trainer.stop("SIGTERM"))``.
-    """
-
-    def __init__(self, stop: Callable[[str], None]) -> None:
-        self._installed = False
-        self._previous: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop("SIGTERM"))
-            self._installed = True
-        else:
-            _log.info("ElasticTrainer.run is not on the main thread, so it does not handle SIGTERM itself; to stop "
-                      "at a commit on SIGTERM, call signal.signal(signal.SIGTERM, lambda *_: trainer.stop('SIGTERM')) "
-                      "in the main thread (docs/api.md)")
-
-    def restore(self) -> None:
-        if self._installed:
-            # None: the previous handler was not installed from Python; the default is the closest
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-
-
-class _Mailroom:
-    """Moves what workers sent (reports, timeline, resume info, checkpoint events) to the trainer's outputs."""
-
-    def __init__(self, pool: WorkerPool, events: EventLog, progress: ProgressDisplay, timeline: TimelineFile | None,
-                 on_report: Callable[[dict], None] | None) -> None:
-        self.pool, self.events, self.progress, self.timeline, self.on_report = pool, events, progress, timeline, on_report
-        self.metrics: list[dict] = []
-        self.resumed: dict | None = None
-
-    def __call__(self, d: Driver) -> None:
-        mail = self.pool.mail
-        for info in mail.resumed:
-            if self.resumed is None:
-                self.resumed = info
-                meta = info.get("meta") or {}
-                self.events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info.get("uri"),
-                                seq=info.get("seq"), commits=meta.get("commits"), epoch=info.get("epoch"),
-                                step=info.get("step"))
-        for event in mail.checkpoints:
-            detail = {k: v for k, v in event.items() if k != "kind"}
-            self.events.add(str(event.get("kind", "checkpoint")), d.round_id, d.world_size, **detail)
-        for record in mail.reports:
-            self.metrics.append(record)
-            if self.on_report is not None:
-                self.on_report(record)
-        if self.timeline is not None:
-            for batch in mail.timeline:
-                self.timeline.add_worker_events(*batch)
-        mail.resumed.clear(), mail.checkpoints.clear(), mail.reports.clear(), mail.timeline.clear()
-        self.progress.update(self.metrics, d.world_size)
-
-
 class ElasticTrainer:
     def __init__(self, **options: Any) -> None:
         self.config = TrainerConfig(**options)
-        self._stops = _StopControl()
+        self._stops = StopControl()
 
     def stop(self, reason: str = "stop() called") -> None:
         """Ask the run to stop at its next commit, written durably; :meth:`run` then returns a stopped
@@ -272,7 +156,7 @@ class ElasticTrainer:
         progress = ProgressDisplay(self.config.progress)
         final = None
         with contextlib.ExitStack() as cleanup:  # everything set up below is undone in reverse, also on failure
-            signals = _Signals(self.stop)  # first: a SIGTERM while the job sets up stops it before it starts
+            signals = Signals(self.stop)  # first: a SIGTERM while the job sets up stops it before it starts
             cleanup.callback(signals.restore)
             lease = self._lease(keys.job)
             if lease is not None:
@@ -290,8 +174,8 @@ class ElasticTrainer:
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
             pool.receive = receive  # its forged-message count names tampering in the driver's errors
             driver = Driver(self.config, pool, host, events, wakeups)
-            mailroom = _Mailroom(pool, events, progress, timeline, on_report)
-            cleaner = _RoundKeys(server.store, keys)
+            mailroom = Mailroom(pool, events, progress, timeline, on_report)
+            cleaner = RoundKeys(server.store, keys)
 
             def on_tick(d: Driver) -> None:
                 mailroom(d)
@@ -305,14 +189,14 @@ class ElasticTrainer:
             if timeline is not None:
                 cleanup.callback(lambda: _log.info("timeline written to %s", timeline.write(events.events)))
             cleanup.callback(pool.shutdown, "the job ended")
-            inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: _acknowledge(send, keys, msg))
+            inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: acknowledge(send, keys, msg))
             inbox.start()
             cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, "wake"))
             cleanup.callback(progress.close)
             self._stops.attach(driver, wakeups)  # a stop asked for from here on (or before) reaches the driver
             try:
                 final = driver.run(on_tick)
-                _take_last_messages(pool, wakeups)
+                take_last_messages(pool, wakeups)
                 on_tick(driver)
                 if isinstance(final, Finished):
                     events.add("finished", driver.round_id, driver.world_size)
@@ -334,7 +218,7 @@ class ElasticTrainer:
             return "no checkpoint_uri was set, so all training of this run is abandoned"
         return "no durable checkpoint was written yet, so all training of this run is abandoned"
 
-    def _result(self, final, mailroom: _Mailroom, events: EventLog, stop_reason: str | None) -> Result:
+    def _result(self, final, mailroom: Mailroom, events: EventLog, stop_reason: str | None) -> Result:
         if isinstance(final, Failed):
             if stop_reason is not None:
                 cause = str(final.error).strip().splitlines()
@@ -391,47 +275,3 @@ def _final_checkpoint_error(events: list[Event]) -> str | None:
 
 
 #: After the driver's last state, how long the workers' last messages may keep arriving, and the most to wait.
-LAST_MESSAGES_QUIET_S, LAST_MESSAGES_LIMIT_S = 0.2, 2.0
-
-
-def _take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
-    """Apply the messages that arrived after the driver's last state (bounded): a worker sends its final
-    checkpoint event just before its run returns, and Ray may report the return first. Returns once no
-    message but heartbeats came for LAST_MESSAGES_QUIET_S, or after LAST_MESSAGES_LIMIT_S."""
-    now = time.monotonic()
-    limit, quiet = now + LAST_MESSAGES_LIMIT_S, now + LAST_MESSAGES_QUIET_S
-    while (now := time.monotonic()) < min(limit, quiet):
-        try:
-            kind, payload = wakeups.get(timeout=min(limit, quiet) - now)
-        except queue.Empty:
-            return
-        if kind == "msg":
-            pool.apply(payload)
-            if payload.get("k") != "hb":
-                quiet = time.monotonic() + LAST_MESSAGES_QUIET_S
-        elif kind == "error":
-            _log.warning("after the job ended: %s", payload)
-
-
-def _acknowledge(send: Channel, keys: Keys, msg: dict) -> None:
-    """Tell a worker waiting at the rendezvous that the driver is alive (from the inbox thread)."""
-    waiting = msg.get("waiting") if msg.get("k") == "hb" else None
-    if isinstance(waiting, int) and waiting > 0:
-        send.send(keys.worker_inbox(msg["from"]), "pending", generation=waiting)
-
-
-class _RoundKeys:
-    """Deletes the store keys (gloo's and NCCL's rendezvous) of rounds that can no longer be formed."""
-
-    def __init__(self, store, keys: Keys) -> None:
-        self._store, self._keys = store, keys
-        self._done = 0
-
-    def forget_before(self, round_id: int) -> None:
-        if round_id <= self._done + 1:
-            return
-        prefixes = tuple(self._keys.round_prefix(r) for r in range(self._done + 1, round_id))
-        for key in self._store.list_keys():
-            if key.startswith(prefixes):
-                self._store.delete_key(key)
-        self._done = round_id - 1

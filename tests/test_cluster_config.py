@@ -214,6 +214,7 @@ def test_train_script_exit_codes_say_whether_training_completed():
     assert train.exit_code(failed_write) == 1
 
 
+@pytest.mark.slow  # ~19 s; the exit-code table above and tests/test_preemption.py's SIGTERM run cover it in CI
 def test_train_script_stopped_by_sigterm_exits_75_so_that_the_job_is_retried(tmp_path):
     import os
     import signal

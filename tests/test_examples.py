@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: A Python warning printed by the warnings module ("path.py:12: UserWarning: ..."), wherever it
@@ -65,6 +67,7 @@ def test_digits_reaches_the_stated_accuracy():
     assert float(line.split()[2]) >= 0.95 and "target reached" in out.stdout, line
 
 
+@pytest.mark.slow  # ~56 s (a multi-node cluster and a plot); the other examples run in the default suite
 def test_elastic_demo_loses_a_worker_gains_a_node_and_draws_it(tmp_path):
     png, trace = tmp_path / "demo.png", tmp_path / "timeline.json"
     out = subprocess.run([sys.executable, "examples/elastic_demo.py", "--kill-at-step", "100", "--out", str(png),

@@ -159,6 +159,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # ~12 s; CI checks the same driver-side check without Ray, and the worker-side path with Ray
 def test_workers_that_see_a_state_py_the_driver_does_not_end_the_run_with_the_clear_error(tmp_path):
     # the driver script lives elsewhere, so the driver's own sys.path lacks its working directory; Ray puts
     # that directory first on the workers' sys.path, so only the workers import the user's state.py

@@ -1,0 +1,100 @@
+"""What the driver does with the workers' mail besides deciding: reports, timeline, resume and checkpoint events go
+to the trainer's outputs; waiting workers are acknowledged; finished rounds' store keys are deleted."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from elastic_ring.log import get_logger
+
+from .channel import Channel
+from .events import EventLog
+from .progress import ProgressDisplay
+from .protocol import Keys
+from .timeline_file import TimelineFile
+from .worker_pool import WorkerPool
+
+if TYPE_CHECKING:
+    from .driver import Driver
+
+_log = get_logger(__name__)
+#: After the driver's last state, late messages (a worker's final checkpoint event) are applied until the inbox is
+#: quiet this long, or this limit passes.
+LAST_MESSAGES_QUIET_S, LAST_MESSAGES_LIMIT_S = 0.2, 2.0
+
+
+class Mailroom:
+    """Moves what workers sent (reports, timeline, resume info, checkpoint events) to the trainer's outputs."""
+
+    def __init__(self, pool: WorkerPool, events: EventLog, progress: ProgressDisplay, timeline: TimelineFile | None,
+                 on_report: Callable[[dict], None] | None) -> None:
+        self.pool, self.events, self.progress, self.timeline, self.on_report = pool, events, progress, timeline, on_report
+        self.metrics: list[dict] = []
+        self.resumed: dict | None = None
+
+    def __call__(self, d: Driver) -> None:
+        mail = self.pool.mail
+        for info in mail.resumed:
+            if self.resumed is None:
+                self.resumed = info
+                meta = info.get("meta") or {}
+                self.events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info.get("uri"),
+                                seq=info.get("seq"), commits=meta.get("commits"), epoch=info.get("epoch"),
+                                step=info.get("step"))
+        for event in mail.checkpoints:
+            detail = {k: v for k, v in event.items() if k != "kind"}
+            self.events.add(str(event.get("kind", "checkpoint")), d.round_id, d.world_size, **detail)
+        for record in mail.reports:
+            self.metrics.append(record)
+            if self.on_report is not None:
+                self.on_report(record)
+        if self.timeline is not None:
+            for batch in mail.timeline:
+                self.timeline.add_worker_events(*batch)
+        mail.resumed.clear(), mail.checkpoints.clear(), mail.reports.clear(), mail.timeline.clear()
+        self.progress.update(self.metrics, d.world_size)
+
+
+def take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
+    """Apply the messages that arrived after the driver's last state (bounded): a worker sends its final
+    checkpoint event just before its run returns, and Ray may report the return first. Returns once no
+    message but heartbeats came for LAST_MESSAGES_QUIET_S, or after LAST_MESSAGES_LIMIT_S."""
+    now = time.monotonic()
+    limit, quiet = now + LAST_MESSAGES_LIMIT_S, now + LAST_MESSAGES_QUIET_S
+    while (now := time.monotonic()) < min(limit, quiet):
+        try:
+            kind, payload = wakeups.get(timeout=min(limit, quiet) - now)
+        except queue.Empty:
+            return
+        if kind == "msg":
+            pool.apply(payload)
+            if payload.get("k") != "hb":
+                quiet = time.monotonic() + LAST_MESSAGES_QUIET_S
+        elif kind == "error":
+            _log.warning("after the job ended: %s", payload)
+
+
+def acknowledge(send: Channel, keys: Keys, msg: dict) -> None:
+    """Tell a worker waiting at the rendezvous that the driver is alive (from the inbox thread)."""
+    waiting = msg.get("waiting") if msg.get("k") == "hb" else None
+    if isinstance(waiting, int) and waiting > 0:
+        send.send(keys.worker_inbox(msg["from"]), "pending", generation=waiting)
+
+
+class RoundKeys:
+    """Deletes the store keys (gloo's and NCCL's rendezvous) of rounds that can no longer be formed."""
+
+    def __init__(self, store, keys: Keys) -> None:
+        self._store, self._keys = store, keys
+        self._done = 0
+
+    def forget_before(self, round_id: int) -> None:
+        if round_id <= self._done + 1:
+            return
+        prefixes = tuple(self._keys.round_prefix(r) for r in range(self._done + 1, round_id))
+        for key in self._store.list_keys():
+            if key.startswith(prefixes):
+                self._store.delete_key(key)
+        self._done = round_id - 1
