@@ -3,7 +3,6 @@ holds every worker of the job: the leavers hand their live state to replacements
 repeated sample); with no capacity before the deadline, the drain commit's checkpoint keeps the state and the
 job resumes from it in the same run when capacity comes; without a checkpoint_uri it fails saying exactly why."""
 
-import threading
 import time
 
 import pytest
@@ -51,7 +50,9 @@ def test_no_capacity_before_the_deadline_resumes_from_the_drain_checkpoint_in_th
     trainer = ElasticTrainer(min_workers=2, max_workers=2, resources_per_worker={"slot": 1}, cpus_per_worker=1,
                              checkpoint_uri=ckpt, checkpoint_every_n_commits=1000, elastic_timeout_s=60,
                              progress=False)
-    thread, box, events = run_with_events(trainer, {"epochs": 6, "step_delay_s": 0.1, "progress_file": str(progress)})
+    events = []
+    thread, box = run_in_thread(trainer, {"epochs": 6, "step_delay_s": 0.1, "progress_file": str(progress)},
+                                on_event=events.append)
     wait_for_step(progress, 3)
     drain(cluster, holder, deadline_s=9)        # nowhere to go: the leavers wait, then go at deadline - 5 s
     deadline = time.monotonic() + 60
@@ -68,21 +69,6 @@ def test_no_capacity_before_the_deadline_resumes_from_the_drain_checkpoint_in_th
     assert result.value["resumed_from"] is not None
     # the checkpoint is the drain commit itself: nothing is lost or seen twice
     assert result.value["identical"] and result.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
-
-
-def run_with_events(trainer, config):
-    """``trainer.run`` on a thread; its events arrive in the returned list as they happen."""
-    box, events = {}, []
-
-    def target():
-        try:
-            box["result"] = trainer.run(ray_jobs.train, config=config, on_event=events.append)
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, box, events
 
 
 def test_no_capacity_and_no_checkpoint_fails_saying_exactly_that(cluster, tmp_path):
@@ -117,7 +103,9 @@ def test_a_slow_drain_checkpoint_is_work_the_driver_asked_for_not_a_stuck_worker
                              checkpoint_uri=f"slowfile://{ckpt}", checkpoint_every_n_commits=1000,
                              collective_timeout_s=3, connect_timeout_s=3, elastic_timeout_s=60, stop_timeout_s=60,
                              progress=False)
-    thread, box, events = run_with_events(trainer, {"epochs": 6, "step_delay_s": 0.05, "progress_file": str(progress)})
+    events = []
+    thread, box = run_in_thread(trainer, {"epochs": 6, "step_delay_s": 0.05, "progress_file": str(progress)},
+                                on_event=events.append)
     wait_for_step(progress, 3)
     (ckpt / "SLOW_WRITE_S").write_text("12")
     drain(cluster, nodes[1], deadline_s=90)

@@ -37,12 +37,13 @@ def add_slot_node(cluster):
     return cluster.add_node(num_cpus=1, resources={"slot": 1})
 
 
-def run_in_thread(trainer, config, fn=ray_jobs.train):
+def run_in_thread(trainer, config, fn=ray_jobs.train, **run_options):
+    """``trainer.run(fn, config, **run_options)`` on a thread; its result or error lands in the returned box."""
     box = {}
 
     def target():
         try:
-            box["result"] = trainer.run(fn, config=config)
+            box["result"] = trainer.run(fn, config=config, **run_options)
         except BaseException as exc:  # handed to the test thread
             box["error"] = exc
 

@@ -11,7 +11,6 @@ import contextlib
 import errno
 import pathlib
 import subprocess
-import threading
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from ray.cluster_utils import Cluster
 from ray_integration import ElasticTrainer
 from tests.chaos import invariant_job, storm
 from tests.conftest import ray_runtime_env
-from tests.test_trainer_cluster import FAST_NODE_DEATH, drain
+from tests.test_trainer_cluster import FAST_NODE_DEATH, drain, run_in_thread
 
 
 @pytest.fixture
@@ -106,18 +105,8 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
     trainer = ElasticTrainer(min_workers=2, max_workers=storm.MAX_WORKERS, resources_per_worker={"slot": 1},
                              cpus_per_worker=1, heartbeat_timeout_s=3, max_failures=50, progress=False, **checkpoints)
     started = time.monotonic()
-    box = {}
-
-    def target():
-        try:
-            box["result"] = trainer.run(invariant_job.train, config={"chaos_dir": str(tmp_path),
-                                                                     "clock_skew_s": clock_skew_s},
-                                        on_report=controller.on_report)
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    thread, box = run_in_thread(trainer, {"chaos_dir": str(tmp_path), "clock_skew_s": clock_skew_s},
+                                fn=invariant_job.train, on_report=controller.on_report)
     storm_error = None
     try:
         controller.run(events, thread.is_alive)
