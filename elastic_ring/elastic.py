@@ -12,8 +12,11 @@
   ``on_failure`` decides at the sync whether the ring continues from the live
   state of a rank whose state is whole or rolls back to the last commit
   (``CommError.live_state_consistent`` says where the failure surfaced);
-* on :class:`MembershipChanged` (raised by every rank at the same commit): the
-  same without touching the state.
+* on :class:`MembershipChanged` (raised by every rank at the same commit, or at
+  the same step boundary: see ``state.step_link``): the same without touching
+  the state.
+* before every run of ``loop``, torch ``DistributedSampler`` objects the loop
+  can reach are pointed at the current ring (:mod:`elastic_ring.distributed_samplers`).
 
 Failures while re-forming, in reset callbacks or in the sync leave the state as
 it was, so they are marked ``live_state_consistent``.
@@ -32,7 +35,7 @@ import functools
 import time
 from typing import Any, Callable, Protocol
 
-from . import runtime, timeline
+from . import distributed_samplers, runtime, timeline
 from .errors import CommError, ElasticRingError, MembershipChanged, RendezvousError
 from .log import get_logger
 from .spec import RingSpec
@@ -140,6 +143,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     continue
                 if _ask("stop_pending", False):
                     state.commit()  # the state's commit persists and ends the run on every rank of this round
+                comm = runtime.current_or_none()
+                if comm is not None:  # torch DistributedSamplers the loop uses split for this ring
+                    distributed_samplers.retarget_reachable(func, (state, *args), kwargs, comm.rank, comm.size)
                 return func(state, *args, **kwargs)
             except CommError as exc:
                 _on_failure(state, exc)

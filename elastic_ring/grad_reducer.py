@@ -92,6 +92,20 @@ class GradReducer:
         self._tuner: Autotuner | None = None
         self.autotune_result: AutotuneResult | None = None
         self.applied_steps = 0
+        #: Called after every consumed step as ``fn(passes, applied)``: applied by ``step()``, or reduced
+        #: and then skipped (e.g. GradScaler on overflow: noticed when the next step begins).
+        self.step_listeners: list = []
+        #: ``ask() -> bool``: this rank has something to do at the next step boundary; rides in the step's check
+        #: (MAX over ranks), so every rank learns at the same step whether any rank asked.
+        self.boundary_ask = None
+        #: ``act()``: run on every rank before the next step's work once a boundary is due (may raise).
+        self.boundary_act = None
+        self.boundary_due = False
+        #: ``share(j) -> (n, total)``: backward pass ``j`` of a step holds n of the step's total samples (None: off).
+        self.pass_scale = None
+        self._boundary_seen = False
+        self._synced_pending = False  # a step was reduced and neither applied nor skipped yet
+        self._pre_hooks: list = []
         self._step_armed = True
         self._armed_ref: weakref.ref | None = None
         self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
@@ -126,6 +140,8 @@ class GradReducer:
         self._digest = signature_hash(self._kind, self._entries)
 
     def _reset(self) -> None:
+        self._passes_seen = [0] * len(self._params)  # backward passes per parameter this step (pass weights)
+        self._pass_factors: dict[int, float] = {}
         self._check: PendingCheck | None = None
         self._verdict: VerdictWaiter | None = None
         self._gated_since: float | None = None
@@ -145,15 +161,105 @@ class GradReducer:
         """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
         restore): from now on this ring compares it in every step's check."""
         self.applied_steps = n
+        self._synced_pending = False  # a step reduced before the sync and not applied is discarded, not consumed
+        self._boundary_seen = False
+        self.boundary_due = False
         comm = runtime.current_or_none()
         self._armed_ref = weakref.ref(comm) if comm is not None else None
         if comm is not None and self._comm_ref is not None and self._comm_ref() is comm:
             self._step_armed = True
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for handle in self._hooks + self._pre_hooks:
             handle.remove()
-        self._hooks = []
+        self._hooks, self._pre_hooks = [], []
+
+    # ------------------------------------------------------------ step bookkeeping
+    @property
+    def passes(self) -> int:
+        """Backward passes accumulated per step."""
+        return self._passes
+
+    def set_passes(self, passes: int) -> None:
+        """Change the backward passes per step (between steps only; every rank of a ring must agree)."""
+        if passes == self._passes:
+            return
+        if self.pending:
+            raise RuntimeError("backward passes per step can change only between steps, not after loss.backward()")
+        self._passes = passes
+        self._use_plan(self.bucket_bytes)
+        self._reset()
+
+    def discard_step(self) -> None:
+        """Forget the step in flight (after a failure discarded it); in-flight buckets are dropped unwaited."""
+        self._reset()
+        self._synced_pending = False
+        for p in self._params:
+            p.grad = None
+
+    def set_pass_scale(self, share) -> None:
+        """Weight each backward pass by its share ``share(j) -> (n, total)`` of the step's samples (None: off)."""
+        if share is not None and self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"weighting backward passes needs op=Average or op=Sum, this optimizer reduces with "
+                             f"op={self._op.value}")
+        self.pass_scale = share
+        if scale is not None and not self._pre_hooks:
+            self._pre_hooks = [p.register_hook(self._pre_hook(i)) for i, p in enumerate(self._params)]
+
+    def _pre_hook(self, i: int):
+        def scale_pass(grad: torch.Tensor) -> torch.Tensor | None:
+            scale = self.pass_scale
+            if scale is None:
+                return None
+            j = self._passes_seen[i]
+            self._passes_seen[i] = j + 1
+            factor = self._pass_factors.get(j)
+            if factor is None:  # once per pass and step, not per parameter
+                n, total = scale(j)
+                comm = runtime.current_or_none()
+                world = comm.size if comm is not None and self._op is ReduceOp.AVERAGE else 1
+                factor = self._pass_factors[j] = (n * world) / total  # one rounding: exact when representable
+            if factor == 1.0:
+                return None
+            return torch.zeros_like(grad) if factor == 0.0 else grad * factor
+        return scale_pass
+
+    def note_applied(self) -> None:
+        """``step()`` applied the reduced gradients: count the step and tell the listeners."""
+        self.applied_steps += 1
+        self._synced_pending = False
+        self._consumed(applied=True)
+
+    def _skipped_if_pending(self) -> None:
+        """A step reduced but never applied, and a new one begins: it was skipped (GradScaler did that)."""
+        if self._synced_pending:
+            self._synced_pending = False
+            self._consumed(applied=False)
+
+    def _consumed(self, applied: bool) -> None:
+        for listener in list(self.step_listeners):
+            listener(self._passes, applied)
+
+    def take_boundary(self) -> None:
+        """After an applied step: a boundary is due when any rank asked for one in this step's check."""
+        comm = runtime.current_or_none()
+        if comm is None or comm.size == 1:  # no check runs: this rank decides alone
+            seen = bool(self.boundary_ask is not None and self.boundary_ask())
+        else:
+            seen, self._boundary_seen = self._boundary_seen, False
+        self.boundary_due = self.boundary_due or (seen and self.boundary_act is not None)
+
+    def run_boundary(self, in_step: bool = False) -> None:
+        """Run the due boundary's ``act()`` before the next step's work. ``in_step``: called from inside that
+        step (its backward or synchronize): nothing of it was sent yet, and its gradients are dropped."""
+        if not self.boundary_due:
+            return
+        self.boundary_due = False
+        if in_step:
+            self._reset()
+            for p in self._params:
+                p.grad = None
+        self.boundary_act()
 
     def _bind(self, comm: Communicator) -> None:
         """Start using ``comm``: on a new ring, drop what was in flight, new buckets, tune again."""
@@ -192,6 +298,10 @@ class GradReducer:
 
     # ------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.boundary_due:  # nobody ran it before this step's forward: run it now, before anything is sent
+            self.run_boundary(in_step=True)
+        if self._synced_pending:
+            self._skipped_if_pending()
         comm = runtime.current_or_none()
         if comm is None or comm.size == 1:
             return
@@ -221,9 +331,11 @@ class GradReducer:
         if self._check is not None or self._verified or self._verdict is not None:
             return
         value = self._tuner.outgoing() if self._tuner is not None else 0
+        boundary = int(bool(self.boundary_ask is not None and self.boundary_ask()))
+        self._boundary_seen = False
         step = self.applied_steps if self._step_armed else None
-        check = start_check(comm, self._kind, self._entries, None, values=[value], step=step, digest=self._digest,
-                            step_slots=True)
+        check = start_check(comm, self._kind, self._entries, None, values=[value, boundary], step=step,
+                            digest=self._digest, step_slots=True)
         if helper:
             self._verdict = VerdictWaiter(check, lambda waiter, values: self._on_verdict(comm, waiter, values),
                                           comm.spec.collective_timeout_s + 10.0)
@@ -235,13 +347,14 @@ class GradReducer:
         with self._lock:
             if self._verdict is not waiter:  # this step was abandoned (a failure, a new ring)
                 return
-            self._accept(values[0])
+            self._accept(values)
             self._launch_ready(comm)
 
-    def _accept(self, value: int) -> None:
+    def _accept(self, values: list[int]) -> None:
         self._verified = True
+        self._boundary_seen = bool(values[1])
         if self._tuner is not None:
-            self._tuner.incoming(value)
+            self._tuner.incoming(values[0])
 
     def _raise_if_verdict_failed(self) -> None:
         """Raise, on the training thread, what the helper thread met (nothing was sent before its answer)."""
@@ -260,12 +373,12 @@ class GradReducer:
         deferred = bool(self._in_flight)
         started = time.perf_counter()
         try:
-            (value,) = check.finish(exchange=not deferred)
+            values = check.finish(exchange=not deferred)
         except TensorMismatchError:
             self._after_mismatch(comm, check)
             raise
         self.check_wait_s += time.perf_counter() - started
-        self._accept(value)
+        self._accept(values)
 
     def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
         """Buckets launched before a deferred verdict may not match the peers' (a different model, an
@@ -321,9 +434,12 @@ class GradReducer:
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
         """Finish this step's reduction: every parameter's ``.grad`` holds the reduced value."""
+        if self.boundary_due:
+            self.run_boundary(in_step=True)
         comm = runtime.current()
         if comm.size == 1:
             self._reset()
+            self._synced_pending = True
             return
         waiter = self._verdict
         if waiter is not None:  # outside the lock: the helper takes it to launch what became ready
@@ -359,6 +475,7 @@ class GradReducer:
                 raise
             finally:
                 self._reset()
+            self._synced_pending = True
             self._end_step()
 
     def _end_step(self) -> None:
@@ -388,6 +505,8 @@ class GradReducer:
         """Drop everything of this step; gradients become None, and the buckets are rebuilt next time."""
         self._reset()
         self._layout = None
+        self._synced_pending = False
+        self._boundary_seen = False
         for p in self._params:
             p.grad = None
         setattr(exc, "live_state_consistent", True)

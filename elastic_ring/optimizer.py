@@ -14,12 +14,13 @@ storage with them between steps (as with DDP's ``gradient_as_bucket_view``);
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from .autotune import AutotuneResult
 from .compression import Compression, Compressor, check_compressor
+from .errors import CommError
 from .constants import AUTOTUNE, FIRST_BUCKET_BYTES, OPTIMIZER_BUCKET_BYTES
 from .grad_reducer import GradReducer
 from .ops import Average, ReduceOp
@@ -48,9 +49,73 @@ class _DistributedMixin:
     def step(self, closure=None):  # noqa: D401 - torch's signature
         if self._er_synchronize_in_step:
             self._er_reducer.synchronize()
-        result = super().step(closure)  # type: ignore[misc]
-        self._er_reducer.applied_steps += 1
+        try:
+            result = super().step(closure)  # type: ignore[misc]
+        except CommError as exc:  # a wrapped optimizer's own collective: its update may be half applied
+            exc.inside_apply = True
+            raise
+        reducer = self._er_reducer
+        reducer.note_applied()  # the batch bookkeeping linked to this optimizer advances with the apply
+        reducer.take_boundary()  # any rank asked: every rank acts before the next step's work (run_boundary)
         return result
+
+    def add_step_listener(self, listener: Callable[[int, bool], None]) -> None:
+        """Call ``listener(passes, applied)`` after every step this optimizer consumed: applied by ``step()``
+        (``applied=True``), or reduced and then skipped, as ``GradScaler`` does on an overflow (noticed when
+        the next step's first gradient arrives). ``passes`` is ``backward_passes_per_step``. A step that
+        failed, or was reduced but then discarded by a recovery, is not consumed."""
+        if not callable(listener):
+            raise TypeError(f"step listener {listener!r} is not callable")
+        self._er_reducer.step_listeners.append(listener)
+
+    def remove_step_listener(self, listener: Callable[[int, bool], None]) -> None:
+        self._er_reducer.step_listeners.remove(listener)
+
+    def set_step_boundary(self, ask: Callable[[], bool] | None, act: Callable[[], None] | None) -> None:
+        """Act at step boundaries the ring agrees on. ``ask()`` is polled once per step; its answer rides in the
+        step's check (MAX over ranks), so after a step in which any rank's ``ask()`` was true, every rank has a
+        boundary due (:attr:`boundary_due`). ``act()`` then runs on every rank before the next step does any
+        work: at :meth:`run_boundary` (the state layer calls it before the model's next training forward), or
+        at the next step's first gradient otherwise. The state layer uses it to join and leave at the next
+        step; ``act`` may raise (e.g. ``MembershipChanged``), which ends that step on every rank."""
+        if (ask is None) != (act is None):
+            raise ValueError("set_step_boundary needs both ask and act, or neither")
+        self._er_reducer.boundary_ask = ask
+        self._er_reducer.boundary_act = act
+
+    @property
+    def boundary_due(self) -> bool:
+        """A step boundary the ring agreed on waits for its ``act()`` (see :meth:`set_step_boundary`)."""
+        return self._er_reducer.boundary_due
+
+    def run_boundary(self) -> None:
+        """Run the due boundary's ``act()`` now (no-op when none is due)."""
+        self._er_reducer.run_boundary()
+
+    def set_pass_shares(self, share: Callable[[int], tuple[int, int]] | None) -> None:
+        """Weight backward passes by their share of the global step's samples (None: off). ``share(j)`` gives
+        ``(n, total)``: pass ``j`` of this rank's step holds ``n`` of the step's ``total`` samples, and its
+        gradient is the mean over those ``n``. The gradient is multiplied by ``n * world / total`` (``op=Average``)
+        or ``n / total`` (``op=Sum``) before it is accumulated, so every sample of the step weighs exactly
+        ``1 / total``. A constant global batch (``ElasticSampler(global_batch_size=...)``) uses it."""
+        if share is not None and not callable(share):
+            raise TypeError(f"pass share {share!r} is not callable")
+        self._er_reducer.set_pass_scale(share)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` between steps (the same value on every rank)."""
+        check_int("DistributedOptimizer", "backward_passes_per_step", passes, minimum=1,
+                  hint="call step() after that many backward passes")
+        self._er_reducer.set_passes(passes)
+
+    def _discard_step(self) -> None:
+        """Drop a step in flight (its gradients and counts): the state layer does this when a recovery
+        discards the step, before it re-sizes the step for a new ring."""
+        self._er_reducer.discard_step()
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._er_reducer.passes
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._er_reducer.pending:

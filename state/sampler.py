@@ -1,7 +1,8 @@
 """ElasticSampler: a batch sampler that processes every sample of an epoch exactly once,
 across world-size changes and rollbacks.
 
-Use it as a DataLoader's ``batch_sampler`` and record each batch after training on it::
+Use it as a DataLoader's ``batch_sampler`` (passing it as ``sampler=`` raises
+TypeError: torch would yield batches of batches) and record each batch after training on it::
 
     sampler = ElasticSampler(dataset, batch_size=32, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_sampler=sampler)
@@ -20,18 +21,44 @@ Use it as a DataLoader's ``batch_sampler`` and record each batch after training 
             state.commit()
 
 Its state is tiny: ``epoch``, ``processed`` (how many positions of the
-epoch's permutation are done) and ``step`` (batches the ring recorded since the
-job began). It publishes them as this process's progress
+epoch's permutation are done) and ``step`` (optimizer steps of the ring since
+the job began). It publishes them as this process's progress
 (:func:`elastic_ring.set_progress`: log lines and ``er.report`` records). After a restore or a resize the rest of the
 epoch is re-partitioned over the new ring (see :mod:`state.sampler_layout`).
 Every rank gets the same number of batches; the last batch of an epoch can be
 larger than ``batch_size`` (the tail is folded into it), and it is empty on
 some ranks only when fewer samples than ranks remain. All ranks must use the
-same ``batch_size``.
+same ``batch_size``. ``len(sampler)`` is the number of batches of the current
+partition (from the last ``reset()`` / ``set_epoch()`` / ``load_state_dict()``
+to the epoch's end) and stays constant while batches are consumed; iterating
+yields only the batches not yet consumed. ``set_epoch(e)`` with the current
+epoch keeps the epoch's progress (call it at the start of every epoch, as
+Horovod's examples do); epochs only move forward.
+
+*Linked mode.* When :class:`state.State` holds the sampler and a
+``DistributedOptimizer``, it links them: every optimizer step advances the
+sampler by the batches it consumed (``_advance``), atomically with the
+optimizer's apply, and ``record_batch()`` only acknowledges a batch (before or
+after ``optimizer.step()``, both stay right).
+
+*Constant global batch.* ``ElasticSampler(dataset, batch_size=m,
+global_batch_size=G)`` makes every optimizer step process exactly ``G``
+samples whatever the world size ``W``: each rank runs ``M = ceil(G / (W * m))``
+micro-batches per step (``batches_per_step``, the same on every rank,
+recomputed at every resize), each of at most ``m`` samples, one backward pass
+each. An epoch tail smaller than ``G`` is folded into the last step (the whole
+rest is one step if it is smaller than ``G``). Splits can be uneven: a
+micro-batch's ranks differ by at most one sample and can be empty;
+``pass_share(j)`` gives ``(n_rj, S)``, this rank's samples in micro-batch ``j``
+and the step's total, so the optimizer weighs every sample by exactly ``1/S``.
+This needs the user's loss to be a mean over the micro-batch (PyTorch's
+default ``reduction="mean"``).
 """
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Iterator, Sized
 
 import torch
@@ -40,11 +67,15 @@ import elastic_ring as er
 
 from elastic_ring.validation import check_bool, check_int, is_int
 
-from .sampler_layout import share, step_sizes
+from .sampler_layout import micro_batches, micro_step_sizes, share, step_sizes
+
+_WRAPPED = ("ElasticSampler is a batch sampler: pass it as DataLoader(dataset, batch_sampler=sampler) (and no "
+            "batch_size / shuffle / sampler / drop_last); it was passed as sampler=, which would yield batches of batches")
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    def __init__(self, dataset: Sized | int, batch_size: int, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, dataset: Sized | int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 global_batch_size: int | None = None) -> None:
         if is_int(dataset):
             size = dataset
         elif isinstance(dataset, bool) or not hasattr(dataset, "__len__"):
@@ -55,13 +86,18 @@ class ElasticSampler(torch.utils.data.Sampler):
         check_int("ElasticSampler", "batch_size", batch_size, minimum=1)
         check_bool("ElasticSampler", "shuffle", shuffle)
         check_int("ElasticSampler", "seed", seed, minimum=0, hint="the same seed on every rank gives the same order")
+        if global_batch_size is not None:
+            check_int("ElasticSampler", "global_batch_size", global_batch_size, minimum=1,
+                      hint="the samples of one optimizer step over the whole ring, or None for batch_size per rank")
         self.num_samples = size
         self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
         self.processed = 0
         self.step = 0
+        self._linked = False
         self.reset()
 
     # ------------------------------------------------------------ layout
@@ -77,36 +113,91 @@ class ElasticSampler(torch.utils.data.Sampler):
             raise ValueError(f"rank={rank} is not in 0..{world - 1}")
         self._rank, self._world = rank, world
         self._base = self.processed
-        self._steps_done = 0
-        self._sizes = step_sizes(self.num_samples - self._base, self._world, self.batch_size)
+        self._done = 0   # batches consumed since this re-partition
+        self._acks = 0   # record_batch() calls since this re-partition (linked mode)
+        remaining, g = self.num_samples - self._base, self.global_batch_size
+        if g is None:
+            self._per_step, self._sizes = 1, step_sizes(remaining, world, self.batch_size)
+        else:
+            self._per_step = micro_batches(g, world, self.batch_size)
+            self._sizes = micro_step_sizes(remaining, world, self.batch_size, g)
         self._publish()
 
     def _publish(self) -> None:
         er.set_progress(step=self.step, epoch=self.epoch, samples=self.epoch * self.num_samples + self.processed)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning."""
+        """Go to ``epoch``: the current one keeps its progress, a later one starts from its beginning."""
         check_int("ElasticSampler.set_epoch", "epoch", epoch, minimum=0)
+        if epoch == self.epoch:
+            return
+        if epoch < self.epoch and (self.processed or self.step):
+            raise ValueError(
+                f"ElasticSampler.set_epoch({epoch}): the sampler is already at epoch {self.epoch}; epochs only "
+                f"move forward — build a new sampler to start over"
+            )
         self.epoch = epoch
         self.processed = 0
         self.reset(self._rank, self._world)
 
+    @property
+    def batches_per_step(self) -> int:
+        """Micro-batches per rank per optimizer step: ``M`` with a global batch size, else 1."""
+        return self._per_step
+
+    @property
+    def _consumed(self) -> int:
+        """Yielded batches consumed since the last re-partition."""
+        return self._done
+
     def record_batch(self) -> None:
-        """Mark this rank's next batch (and so the ring's next step) as processed."""
-        if self._steps_done >= len(self._sizes):
+        """Mark this rank's next batch as processed (linked mode: only acknowledge it; the optimizer advances)."""
+        count = self._acks if self._linked else self._done
+        if count >= len(self._sizes):
             raise RuntimeError(
-                f"record_batch() called {self._steps_done + 1} times, but this epoch had only "
+                f"record_batch() called {count + 1} times, but this epoch had only "
                 f"{len(self._sizes)} batches left; call set_epoch() to start the next epoch"
             )
-        self.processed += self._sizes[self._steps_done]
-        self._steps_done += 1
-        self.step += 1
+        if self._linked:
+            self._acks += 1
+            return
+        self.processed += self._sizes[self._done]
+        self._done += 1
+        if self._done % self._per_step == 0:
+            self.step += 1
         self._publish()
 
     @property
     def steps_recorded(self) -> int:
-        """Batches recorded since the last re-partition."""
-        return self._steps_done
+        """Batches consumed since the last re-partition."""
+        return self._done
+
+    def _link(self, linked: bool = True) -> None:
+        """Enter (or leave) linked mode: the optimizer's steps advance the position (see ``_advance``)."""
+        check_bool("ElasticSampler._link", "linked", linked)
+        self._linked, self._acks = linked, self._done
+
+    def _advance(self, batches: int) -> None:
+        """One optimizer step that consumed ``batches`` yielded batches is applied (capped at the partition's end)."""
+        check_int("ElasticSampler._advance", "batches", batches, minimum=0)
+        end = min(self._done + batches, len(self._sizes))
+        self.processed += sum(self._sizes[self._done:end])
+        self._done = end
+        self.step += 1
+        self._publish()
+
+    def pass_share(self, j: int) -> tuple[int, int]:
+        """``(n_rj, S)``: this rank's samples in micro-batch ``j`` of the next unconsumed step, and the step's total."""
+        check_int("ElasticSampler.pass_share", "j", j, minimum=0, maximum=self._per_step - 1,
+                  hint=f"a step has {self._per_step} micro-batches (batches_per_step)")
+        first = self._done - self._done % self._per_step
+        if first >= len(self._sizes):
+            raise RuntimeError(
+                f"ElasticSampler.pass_share({j}): epoch {self.epoch} has no step left on this rank's partition; "
+                f"call set_epoch() to start the next epoch"
+            )
+        total = sum(self._sizes[first:first + self._per_step])
+        return share(self._sizes[first + j], self._world, self._rank)[1], total
 
     # ------------------------------------------------------------ iteration
     def _permutation(self) -> torch.Tensor:
@@ -116,20 +207,36 @@ class ElasticSampler(torch.utils.data.Sampler):
         return torch.randperm(self.num_samples, generator=g)
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._refuse_wrapping(sys._getframe(1))  # once per iteration, not per batch
+        return self._batches()
+
+    def _refuse_wrapping(self, frame: FrameType | None) -> None:
+        """TypeError if a ``BatchSampler`` wraps this sampler (``DataLoader(..., sampler=ElasticSampler(...))``)."""
+        for _ in range(3):
+            if frame is None:
+                return
+            # only __iter__ frames: f_locals would keep a snapshot of a training loop's tensors alive
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__iter__" else None
+            if isinstance(owner, torch.utils.data.BatchSampler) and getattr(owner, "sampler", None) is self:
+                raise TypeError(_WRAPPED)
+            frame = frame.f_back
+
+    def _batches(self) -> Iterator[list[int]]:
         order = self._permutation()
-        position = self._base + sum(self._sizes[: self._steps_done])
-        for size in self._sizes[self._steps_done:]:
+        position = self._base + sum(self._sizes[: self._done])
+        for size in self._sizes[self._done:]:
             offset, count = share(size, self._world, self._rank)
             yield order[position + offset : position + offset + count].tolist()
             position += size
 
     def __len__(self) -> int:
-        return len(self._sizes) - self._steps_done
+        """Batches of the current partition (constant within it, whatever has been consumed)."""
+        return len(self._sizes)
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "processed": self.processed, "step": self.step, "num_samples": self.num_samples,
-                "seed": self.seed, "shuffle": self.shuffle}
+                "seed": self.seed, "shuffle": self.shuffle, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed or state["shuffle"] != self.shuffle:
@@ -137,6 +244,12 @@ class ElasticSampler(torch.utils.data.Sampler):
                 f"sampler state is for a dataset of {state['num_samples']} samples (seed {state['seed']}, "
                 f"shuffle {state['shuffle']}), this sampler has {self.num_samples} (seed {self.seed}, "
                 f"shuffle {self.shuffle}); build the sampler as the job that saved it did"
+            )
+        saved = state.get("global_batch_size")
+        if saved != self.global_batch_size:
+            raise ValueError(
+                f"sampler state was saved with global_batch_size={saved}, this sampler has "
+                f"global_batch_size={self.global_batch_size}; build the sampler with the job's global_batch_size"
             )
         self.epoch = state["epoch"]
         self.processed = state["processed"]

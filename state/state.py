@@ -39,8 +39,9 @@ from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointStore
 from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
 from .handlers import OptimizerHandler, handler_for
-from .recovery import CONSISTENT, DIRTY, WHOLE, Mode, RankStatus, SyncDecision, decide_sync
+from .recovery import CONSISTENT, DIRTY, Mode, RankStatus, SyncDecision, decide_sync, failure_trust
 from .sampler import ElasticSampler
+from .step_link import StepLink, is_distributed_optimizer
 
 _log = get_logger(__name__)
 
@@ -82,8 +83,10 @@ class State:
         object.__setattr__(self, "_writer", None)
         object.__setattr__(self, "_last_persist", time.monotonic())
         object.__setattr__(self, "resumed_from", None)
+        object.__setattr__(self, "_link", None)
         for name, value in values.items():
             setattr(self, name, value)
+        self._relink()
         if _default_checkpointing is not None:
             self.enable_checkpoints(**dataclasses.asdict(_default_checkpointing))
 
@@ -98,6 +101,47 @@ class State:
         if name.startswith("_") or name == "resumed_from":
             raise AttributeError(f"state value names may not start with '_' or be 'resumed_from': {name!r}")
         self._handlers[name] = handler_for(value)
+
+    # ------------------------------------------------------------ the step link
+    def _relink(self) -> None:
+        """Link the sampler to the DistributedOptimizer when the state holds exactly one of each
+        (:mod:`state.step_link`); unlink when that no longer holds."""
+        values = [h.value for h in self._handlers.values()]
+        optimizers = [v for v in values if is_distributed_optimizer(v)]
+        samplers = [v for v in values if isinstance(v, ElasticSampler)]
+        modules = [v for v in values if isinstance(v, torch.nn.Module)]
+        link = self._link
+        if len(optimizers) == 1 and len(samplers) == 1:
+            if link is not None and link.matches(optimizers[0], samplers[0], modules):
+                return
+            if link is not None:
+                link.close()
+            object.__setattr__(self, "_link", StepLink(optimizers[0], samplers[0], modules, self._boundary_commit))
+            return
+        if link is not None:
+            link.close()
+            object.__setattr__(self, "_link", None)
+        wants_global = [s for s in samplers if s.global_batch_size is not None]
+        if wants_global:
+            raise ValueError(
+                f"ElasticSampler(global_batch_size={wants_global[0].global_batch_size}) needs its State to hold "
+                f"exactly one DistributedOptimizer and one ElasticSampler (it holds {len(optimizers)} and "
+                f"{len(samplers)}): the optimizer accumulates the micro-batches of each global step"
+            )
+
+    @property
+    def step_linked(self) -> bool:
+        """True when the sampler advances with the optimizer's apply (see :mod:`state.step_link`)."""
+        return self._link is not None
+
+    def _boundary_commit(self) -> None:
+        """At a step boundary the ring agreed on (a driver notice waits): commit, and let the commit's
+        agreement raise MembershipChanged or TrainingStopped on every rank (persisting first if asked)."""
+        with er.timeline.span("commit", "state", commit=self._commits + 1, at="step boundary"):
+            self._save()
+            object.__setattr__(self, "_commits", self._commits + 1)
+            object.__setattr__(self, "_commit_version", self.version)
+            self.check_membership()
 
     @property
     def names(self) -> list[str]:
@@ -186,11 +230,15 @@ class State:
         """A collective failed: note whether this rank's live state is whole. The next :meth:`sync`
         decides, with every rank, whether the ring continues from a live state or rolls back."""
         if self._holds and self._trust == CONSISTENT:  # the first failure since the last sync tells
-            trust = WHOLE if getattr(exc, "live_state_consistent", False) else DIRTY
+            trust = failure_trust(self._link is not None, bool(getattr(exc, "live_state_consistent", False)),
+                                  bool(getattr(exc, "inside_apply", False)))
             object.__setattr__(self, "_trust", trust)
             if trust == DIRTY:
-                _log.warning("a collective of the training function failed mid-step: this rank's live state is not "
-                             "trusted; the ring continues from a whole one, or rolls back to the last commit")
+                _log.warning("a collective failed where this rank's live state may be half-updated (%s); the ring "
+                             "continues from a whole one, or rolls back to the last commit",
+                             "inside the optimizer's own step" if getattr(exc, "inside_apply", False) else
+                             "a collective of the training function, and its batch bookkeeping is not linked to a "
+                             "DistributedOptimizer")
 
     def _clear_grads(self) -> None:
         """Gradients of a step that did not complete must not leak into the next one."""
@@ -209,6 +257,7 @@ class State:
         """Give every rank the job's state: the newest whole live state, the newest commit, or (on a job's
         first sync) the initial or resumed state; ``root_rank`` forces the root. Then commit locally."""
         with er.timeline.span("sync", "state"):
+            self._relink()
             statuses = self._statuses()
             if root_rank is None:
                 decision = decide_sync(statuses)
@@ -230,7 +279,9 @@ class State:
             if er.rank() != root:
                 for name, handler in self._handlers.items():
                     handler.load_tree(tree[name])
-                self._clear_grads()
+            self._clear_grads()  # gradients are never state: a step in flight is redone from scratch
+            if self._link is not None:
+                self._link.fit_ring()
             status = statuses[root]
             version = {Mode.LIVE: status.version, Mode.ROLLBACK: status.commit_version, Mode.FRESH: 0}[decision.mode]
             for handler in self._handlers.values():  # every rank's optimizer now counts from the same step id
@@ -256,6 +307,8 @@ class State:
         for handler in self._handlers.values():
             if isinstance(handler.value, ElasticSampler):
                 handler.value.reset()
+        if self._link is not None:
+            self._link.fit_ring()
         for cb in self._reset_callbacks:
             cb()
 

@@ -13,9 +13,15 @@ restarted from.
 * ``split``: the ring breaks after some ranks completed step K's reduction and applied it while another
   did not (it gives up right after its reduction, before applying): the ring converges on the applied
   state of the ranks that got furthest, nothing is redone, nothing is applied twice.
-* ``bookkeeping``: the job counts hits with a collective of its own after ``optimizer.step()``; a rank
-  dies between the step and that collective: no rank's live state can be trusted, the ring rolls back
-  to the last commit (the documented fallback) and the result is still exact.
+* ``loss_log``: the loop allreduces its loss for logging after ``optimizer.step()`` and before
+  ``record_batch()`` (the usual progress log); a rank dies between the two. The sampler advanced with
+  the apply (the state links them), so every survivor is whole: nothing is redone, nothing repeated.
+* ``flag``: the loop allreduces a "have a batch" flag before every step; a rank dies before it: the
+  step in flight had not started, nothing is redone.
+* ``unlinked``: the state holds no DistributedOptimizer (the sampler cannot advance with the apply),
+  and the job counts hits with a collective of its own after ``optimizer.step()``; a rank dies between
+  the step and that collective: no rank's live state can be trusted, the ring rolls back to the last
+  commit (the documented fallback) and the result is still exact.
 """
 
 import os
@@ -41,8 +47,10 @@ def _job(host, port, job, scenario, worlds):
     holder.w = torch.nn.Parameter(torch.zeros(DIM, dtype=torch.float64))
     holder.count = torch.nn.Parameter(torch.zeros(N_SAMPLES, dtype=torch.float64))  # -hits, reduced with w
     opt = er.DistributedOptimizer(torch.optim.SGD(holder.parameters(), lr=1.0), holder.named_parameters(), op=er.Sum)
-    state = TorchState(model=holder, optimizer=opt, sampler=ElasticSampler(N_SAMPLES, batch_size=BATCH, seed=7),
-                       epoch=0, step=0, seen=torch.zeros(N_SAMPLES, dtype=torch.float64))
+    state = TorchState(model=holder, optimizer=None if scenario == "unlinked" else opt,
+                       sampler=ElasticSampler(N_SAMPLES, batch_size=BATCH, seed=7),
+                       epoch=0, seen=torch.zeros(N_SAMPLES, dtype=torch.float64))
+    assert state.step_linked == (scenario != "unlinked")
     log = []  # (ring, step) after each completed step; ring: how many re-forms this process went through
     reforms = [0]
     state.register_reset_callbacks([lambda: reforms.__setitem__(0, reforms[0] + 1)])
@@ -51,9 +59,11 @@ def _job(host, port, job, scenario, worlds):
     def loop(state):
         while state.epoch < EPOCHS:
             for batch in state.sampler:
-                at_k = state.step + 1 == K and reforms[0] == 0
-                if at_k and scenario == "reduction" and first_rank == 2:
+                at_k = state.sampler.step + 1 == K and reforms[0] == 0
+                if at_k and scenario in ("reduction", "flag") and first_rank == 2:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if scenario == "flag":
+                    er.allreduce(torch.ones(1), op=er.Sum, name="have a batch")
                 idx = torch.tensor(batch, dtype=torch.long)
                 hits = torch.zeros(N_SAMPLES, dtype=torch.float64)
                 hits[idx] += 1
@@ -66,20 +76,21 @@ def _job(host, port, job, scenario, worlds):
                     exc.live_state_consistent = True
                     raise exc
                 opt.step()
-                if at_k and scenario == "bookkeeping" and first_rank == 2:
-                    os.kill(os.getpid(), signal.SIGKILL)  # after the update, before the bookkeeping collective
-                if scenario == "bookkeeping":
+                if at_k and scenario in ("unlinked", "loss_log") and first_rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)  # after the update, before the loop's own collective
+                if scenario == "unlinked":
                     state.seen = state.seen + er.allreduce(hits, op=er.Sum)
+                if scenario == "loss_log":
+                    er.allreduce(holder.w.detach().sum().reshape(1), name="loss for the log")
                 state.sampler.record_batch()
-                state.step += 1
-                log.append((reforms[0], state.step))
+                log.append((reforms[0], state.sampler.step))
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             state.commit()
-        return state.step
+        return state.sampler.step
 
     steps = loop(state)
-    seen = state.seen if scenario == "bookkeeping" else -holder.count.detach()
+    seen = state.seen if scenario == "unlinked" else -holder.count.detach()
     every = er.allgather_object(holder.w.detach().clone())
     return dict(steps=steps, log=log, first_rank=first_rank, exact=torch.equal(holder.w.detach(), expected_w(EPOCHS)),
                 identical=all(torch.equal(every[0], w) for w in every), seen=seen.tolist(), world=er.size())
@@ -116,7 +127,18 @@ def test_a_ring_broken_between_reduction_and_apply_converges_on_the_applied_stat
     assert by_rank[0] == 0 and by_rank[2] == 0 and by_rank[1] == -1, by_rank
 
 
-def test_a_death_in_a_user_collective_mid_step_falls_back_to_the_last_commit(ring):
-    survivors = run(ring, "bookkeeping", [2])
+def test_a_death_before_a_loss_allreduce_after_the_step_redoes_nothing(ring):
+    survivors = run(ring, "loss_log", [2])
+    # every survivor applied step K (its sampler advanced with it) and goes on from there
+    assert [redone(r["log"]) for r in survivors] == [-1, -1]
+
+
+def test_a_death_before_a_have_a_batch_flag_redoes_nothing(ring):
+    survivors = run(ring, "flag", [2])
+    assert [redone(r["log"]) for r in survivors] == [0, 0]
+
+
+def test_a_death_in_a_user_collective_of_an_unlinked_state_falls_back_to_the_last_commit(ring):
+    survivors = run(ring, "unlinked", [2])
     # the last commit was at the end of epoch 2 (step 16 at world 3); K-1 = 18 steps were complete
     assert [redone(r["log"]) for r in survivors] == [K - 1 - 16] * 2

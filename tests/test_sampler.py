@@ -1,11 +1,14 @@
-"""ElasticSampler: the layout tables, and exactly-once coverage over random resizes and rollbacks."""
+"""ElasticSampler: the layout tables (per-rank and constant global batch), and exactly-once coverage over
+random resizes and rollbacks."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fractions import Fraction
+
 from state import ElasticSampler
-from state.sampler_layout import share, step_sizes
+from state.sampler_layout import micro_batches, micro_step_sizes, share, step_sizes
 
 
 @pytest.mark.parametrize(
@@ -119,7 +122,7 @@ def test_exactly_once_over_resizes_and_rollbacks(n, batch, ops, worlds):
 
 def test_state_dict_is_tiny_and_checked():
     s = ElasticSampler(1000, batch_size=8, seed=3)
-    assert set(s.state_dict()) == {"epoch", "processed", "step", "num_samples", "seed", "shuffle"}
+    assert set(s.state_dict()) == {"epoch", "processed", "step", "num_samples", "seed", "shuffle", "global_batch_size"}
     with pytest.raises(ValueError, match="dataset of 1000 samples"):
         ElasticSampler(999, batch_size=8, seed=3).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="batch_size=0"):
@@ -159,3 +162,157 @@ def test_sampler_publishes_progress_for_logs_and_reports():
     assert records[0]["step"] == 3 and records[0]["samples"] == 30 and records[0]["loss"] == 0.5
     with pytest.raises(ValueError, match="step=-1"):
         er.set_progress(step=-1)
+
+
+# ---------------------------------------------------------------- constant global batch
+@pytest.mark.parametrize(
+    "remaining, world, batch, g, m, chunks, first_step_by_rank",
+    [
+        (24, 3, 4, 12, 1, [12, 12], [[4], [4], [4]]),
+        (24, 2, 4, 12, 2, [6, 6, 6, 6], [[3, 3], [3, 3]]),
+        (20, 3, 2, 10, 2, [5, 5, 5, 5], [[2, 2], [2, 2], [1, 1]]),   # G not divisible by W
+        (10, 4, 4, 5, 1, [5, 5], [[2], [1], [1], [1]]),               # W * m > G
+        (6, 4, 1, 3, 1, [3, 3], [[1], [1], [1], [0]]),                # G < W: a rank idles
+        (30, 2, 4, 12, 2, [6, 6, 9, 9], [[3, 3], [3, 3]]),            # tail folded into the last step
+        (5, 2, 4, 12, 2, [3, 2], [[2, 1], [1, 1]]),                   # the whole rest is less than G
+        (1, 2, 4, 12, 2, [1, 0], [[1, 0], [0, 0]]),
+        (17, 1, 2, 7, 4, [2, 2, 2, 1, 3, 3, 2, 2], [[2, 2, 2, 1]]),
+        (0, 3, 2, 8, 2, [], None),
+    ],
+)
+def test_micro_step_sizes(remaining, world, batch, g, m, chunks, first_step_by_rank):
+    assert micro_batches(g, world, batch) == m
+    assert micro_step_sizes(remaining, world, batch, g) == chunks
+    assert sum(chunks) == remaining
+    if first_step_by_rank is not None:
+        assert [[share(c, world, r)[1] for c in chunks[:m]] for r in range(world)] == first_step_by_rank
+
+
+@settings(max_examples=200, deadline=None)
+@given(remaining=st.integers(0, 150), g=st.integers(1, 40), batch=st.integers(1, 8), world=st.integers(1, 6))
+def test_global_steps_cover_their_positions_with_weights_summing_to_one(remaining, g, batch, world):
+    samplers = [ElasticSampler(remaining, batch_size=batch, shuffle=False, global_batch_size=g) for _ in range(world)]
+    for rank, s in enumerate(samplers):
+        s.reset(rank, world)
+    m = samplers[0].batches_per_step
+    batches = [list(s) for s in samplers]
+    assert len({len(b) for b in batches}) == 1, "every rank has the same number of micro-batches"
+    steps, start = len(batches[0]) // m, 0
+    assert len(batches[0]) == steps * m
+    for k in range(steps):
+        step = [(r, j, batches[r][k * m + j]) for r in range(world) for j in range(m)]
+        size = sum(len(b) for _, _, b in step)
+        assert sorted(i for _, _, b in step for i in b) == list(range(start, start + size))
+        assert size == g or k == steps - 1
+        weights = Fraction(0)
+        for r, j, b in step:
+            assert samplers[r].pass_share(j) == (len(b), size)
+            weights += Fraction(len(b), size)
+        assert weights == 1
+        if size == g:  # a regular step: at most batch per pass, passes differ by at most one sample
+            counts = [len(b) for _, _, b in step]
+            assert max(counts) <= batch and max(counts) - min(counts) <= 1
+        for s in samplers:
+            s._advance(m)
+        start += size
+    assert start == remaining
+
+
+def _global_ring(committed, world, batch, g):
+    samplers = []
+    for rank in range(world):
+        s = ElasticSampler(committed["num_samples"], batch_size=batch, seed=committed["seed"], global_batch_size=g)
+        s._link()
+        s.load_state_dict(committed)
+        s.reset(rank, world)
+        samplers.append(s)
+    return samplers, [iter(s) for s in samplers]
+
+
+def _global_run(n, batch, g, ops, worlds):
+    """Linked global-batch training over ops; returns {epoch: committed samples}, epochs finished, step sizes seen."""
+    world_iter = iter(worlds * 20)
+    committed = ElasticSampler(n, batch_size=batch, seed=5, global_batch_size=g).state_dict()
+    samplers, iters = _global_ring(committed, next(world_iter), batch, g)
+    pending, done, finished, sizes = [], {}, 0, []
+    for op in ops + ["step"] * 300:
+        if finished >= 2:
+            break
+        if op == "step":
+            m = samplers[0].batches_per_step
+            step = [[next(it, None) for _ in range(m)] for it in iters]
+            if all(b is None for rank in step for b in rank):  # epoch over on every rank at once
+                for s in samplers:
+                    s.set_epoch(s.epoch + 1)
+                iters = [iter(s) for s in samplers]
+                committed = samplers[0].state_dict()
+                done.setdefault(finished, []).extend(pending)
+                pending, finished = [], finished + 1
+                continue
+            assert all(b is not None for rank in step for b in rank), "ranks must stay in lock step"
+            epoch = samplers[0].epoch
+            sizes.append((epoch, sum(len(b) for rank in step for b in rank)))
+            for s, rank in zip(samplers, step):
+                for b in rank:
+                    s.record_batch()  # linked: only an acknowledgment
+                    pending.extend((epoch, i) for i in b)
+                s._advance(m)
+            assert len({s.state_dict()["processed"] for s in samplers}) == 1
+        elif op in ("commit", "resize"):
+            committed = samplers[0].state_dict()
+            for epoch, i in pending:
+                done.setdefault(epoch, []).append(i)
+            pending = []
+            if op == "resize":
+                samplers, iters = _global_ring(committed, next(world_iter), batch, g)
+        else:  # rollback, maybe onto another world size
+            pending = []
+            world = next(world_iter) if op == "fail_resize" else samplers[0]._world
+            sizes = [x for x in sizes if x[0] < committed["epoch"]] + _committed_sizes(sizes, committed)
+            samplers, iters = _global_ring(committed, world, batch, g)
+    return done, finished, sizes
+
+
+def _committed_sizes(sizes, committed):
+    """The step sizes of the committed epoch that the committed position covers."""
+    kept, total = [], 0
+    for epoch, size in sizes:
+        if epoch == committed["epoch"] and total < committed["processed"]:
+            kept.append((epoch, size))
+            total += size
+    return kept
+
+
+def _check_global_run(n, g, done, finished, sizes):
+    last = n - g * (n // g - 1) if n >= g else n
+    for epoch, samples in done.items():
+        flat = [i[1] if isinstance(i, tuple) else i for i in samples]
+        if epoch < finished:
+            assert sorted(flat) == list(range(n)), f"epoch {epoch}: not exactly once"
+            epoch_sizes = [size for e, size in sizes if e == epoch]
+            expected = [g] * (len(epoch_sizes) - 1) + [last] if n else []
+            assert epoch_sizes == expected, f"epoch {epoch}: steps {epoch_sizes}"
+        else:
+            assert len(flat) == len(set(flat)), f"epoch {epoch}: a sample counted twice"
+
+
+def test_global_batch_exactly_once_across_a_resize():
+    n, batch, g = 50, 3, 8
+    done, finished, sizes = _global_run(n, batch, g, ["step", "step", "commit", "step", "resize", "step", "step"],
+                                        [3, 2])
+    assert finished == 2
+    _check_global_run(n, g, done, finished, sizes)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(min_value=0, max_value=60),
+    batch=st.integers(min_value=1, max_value=4),
+    g=st.integers(min_value=1, max_value=20),
+    ops=st.lists(st.sampled_from(["step", "step", "step", "commit", "rollback", "resize", "fail_resize"]), max_size=80),
+    worlds=st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=20),
+)
+def test_global_batch_exactly_once_over_resizes_and_rollbacks(n, batch, g, ops, worlds):
+    """Every step holds exactly G samples (the folded last excepted), every sample of an epoch once."""
+    done, finished, sizes = _global_run(n, batch, g, ops, worlds)
+    _check_global_run(n, g, done, finished, sizes)

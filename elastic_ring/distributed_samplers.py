@@ -1,0 +1,82 @@
+"""Keep torch's ``DistributedSampler`` right across resizes inside an elastic loop.
+
+A ``DistributedSampler(ds, num_replicas=er.size(), rank=er.rank())`` built once splits the data for
+the ring it was built in; after a resize it would keep splitting for the old one (ranks overlap or
+skip samples, silently). Before every run of the training function, the elastic loop finds the
+``DistributedSampler`` objects the function can reach (its arguments, its closure and the globals
+it names, and the samplers of DataLoaders among those, one level deep) and points them at the
+current ring. A ``DistributedSampler`` does not know how far an epoch got, so after a failure or a
+resize its epoch restarts (samples are seen twice): a warning says so once, and names the fix
+(``state.ElasticSampler`` keeps each sample of an epoch exactly once).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .log import get_logger
+
+_log = get_logger(__name__)
+
+_warned: set[int] = set()
+
+
+def _candidates(func: Callable[..., Any], args: Iterable[Any], kwargs: dict[str, Any]) -> list[Any]:
+    found: list[Any] = [*args, *kwargs.values()]
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        module_globals = getattr(func, "__globals__", {})
+        found.extend(module_globals[name] for name in code.co_names if name in module_globals)
+    return found
+
+
+def _samplers(objects: Iterable[Any]) -> list[torch.utils.data.DistributedSampler]:
+    out: dict[int, torch.utils.data.DistributedSampler] = {}
+    for obj in objects:
+        if isinstance(obj, torch.utils.data.DataLoader):
+            obj = obj.sampler if not isinstance(obj.sampler, torch.utils.data.SequentialSampler) else \
+                getattr(obj.batch_sampler, "sampler", None)
+        if isinstance(obj, torch.utils.data.BatchSampler):
+            obj = obj.sampler
+        if isinstance(obj, torch.utils.data.DistributedSampler):
+            out[id(obj)] = obj
+    return list(out.values())
+
+
+def retarget(sampler: torch.utils.data.DistributedSampler, rank: int, size: int) -> bool:
+    """Point ``sampler`` at ring ``(rank, size)`` the way its constructor would; True if it changed."""
+    if sampler.num_replicas == size and sampler.rank == rank:
+        return False
+    sampler.num_replicas, sampler.rank = size, rank
+    n = len(sampler.dataset)  # type: ignore[arg-type]
+    if sampler.drop_last and n % size != 0:
+        sampler.num_samples = math.ceil((n - size) / size)
+    else:
+        sampler.num_samples = math.ceil(n / size)
+    sampler.total_size = sampler.num_samples * size
+    return True
+
+
+def retarget_reachable(func: Callable[..., Any], args: Iterable[Any], kwargs: dict[str, Any], rank: int,
+                       size: int) -> int:
+    """Point every DistributedSampler ``func`` can reach at the current ring; return how many changed."""
+    changed = 0
+    for sampler in _samplers(_candidates(func, args, kwargs)):
+        if retarget(sampler, rank, size):
+            changed += 1
+            if id(sampler) not in _warned:
+                _warned.add(id(sampler))
+                _log.warning(
+                    "a torch DistributedSampler in the elastic loop now splits its data over the new ring of %d "
+                    "ranks; it does not know how far the epoch got, so that epoch restarts and part of it is "
+                    "seen twice. For training data use state.ElasticSampler (each sample of an epoch exactly "
+                    "once across failures and resizes)", size)
+    return changed

@@ -1,0 +1,89 @@
+"""The step as a transaction: a state's ElasticSampler advances with its DistributedOptimizer's apply.
+
+When a :class:`~state.State` holds exactly one ``DistributedOptimizer`` and exactly one
+:class:`~state.ElasticSampler`, it links them (nothing for the user to write):
+
+* **Bookkeeping with the apply.** Every step the optimizer consumes (applies, or reduces and
+  skips as ``GradScaler`` does on an overflow) advances the sampler by the step's batches, in
+  the same call as the apply. ``record_batch()`` becomes an acknowledgment that moves nothing,
+  so it may sit before or after ``optimizer.step()``. A rank's applied steps and its sampler's
+  position therefore agree at every point outside the apply itself: wherever a collective of
+  the training loop fails (a gradient bucket, the step's check, a flag or a loss allreduce of
+  the user's own), the rank's state is whole, and the ring continues from the newest live
+  state: the step in flight, and only it, is redone (:mod:`state.recovery`).
+* **Joins, drains and stops at the next step.** The optimizer's per-step check carries one
+  more flag: "a notice from the driver waits on this rank" (:mod:`state.membership`). After a
+  step in which any rank had one, every rank commits before the model's next training forward
+  (or at the next step's first gradient): the commit's agreement raises ``MembershipChanged``
+  (or ``TrainingStopped``) on every rank, the ring re-forms and the survivors hand their live
+  state to the joiners. No ``state.commit()`` of the user's is needed for that.
+* **A constant global batch.** With ``ElasticSampler(global_batch_size=G)`` the optimizer runs
+  ``sampler.batches_per_step`` backward passes per step (set at every re-form) and weights
+  each pass by its share of the step's samples (``sampler.pass_share``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from elastic_ring.log import get_logger
+
+from . import membership
+from .sampler import ElasticSampler
+
+_log = get_logger(__name__)
+
+
+def is_distributed_optimizer(value: Any) -> bool:
+    return isinstance(value, torch.optim.Optimizer) and hasattr(value, "add_step_listener")
+
+
+def notice_waits() -> bool:
+    """This rank holds a driver notice for the current round (a change or a stop) to act on at a step boundary."""
+    notice = membership.pending()
+    return notice.change or notice.stop
+
+
+class StepLink:
+    """Links one sampler to one DistributedOptimizer (and the state's models, for the boundary)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sampler: ElasticSampler,
+                 modules: list[torch.nn.Module], at_boundary: Callable[[], None]) -> None:
+        self.optimizer, self.sampler = optimizer, sampler
+        self._at_boundary = at_boundary
+        optimizer.add_step_listener(self._on_step)
+        optimizer.set_step_boundary(notice_waits, at_boundary)
+        if sampler.global_batch_size is not None:
+            optimizer.set_pass_shares(sampler.pass_share)
+        sampler._link(True)
+        self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in modules]
+        self.fit_ring()
+
+    def matches(self, optimizer: Any, sampler: Any, modules: list[torch.nn.Module]) -> bool:
+        return optimizer is self.optimizer and sampler is self.sampler and len(modules) == len(self._hooks)
+
+    def _on_step(self, passes: int, applied: bool) -> None:
+        self.sampler._advance(passes)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.optimizer.boundary_due and module.training and torch.is_grad_enabled():
+            self.optimizer.run_boundary()
+
+    def fit_ring(self) -> None:
+        """After a re-partition: the optimizer runs as many backward passes per step as the sampler's step has."""
+        if self.sampler.global_batch_size is not None:
+            if self.optimizer.backward_passes_per_step != self.sampler.batches_per_step:
+                self.optimizer._discard_step()  # a re-form discarded the step in flight anyway
+                self.optimizer.set_backward_passes_per_step(self.sampler.batches_per_step)
+
+    def close(self) -> None:
+        self.optimizer.remove_step_listener(self._on_step)
+        self.optimizer.set_step_boundary(None, None)
+        if self.sampler.global_batch_size is not None:
+            self.optimizer.set_pass_shares(None)
+        self.sampler._link(False)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
