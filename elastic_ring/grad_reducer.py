@@ -140,7 +140,7 @@ class GradReducer:
         self._digest = signature_hash(self._kind, self._entries)
 
     def _reset(self) -> None:
-        self._passes_seen = [0] * len(self._params)  # backward passes per parameter this step (pass weights)
+        self.micro_calls = 0  # accumulate mode: step() calls of this step so far (= the backward pass running)
         self._pass_factors: dict[int, float] = {}
         self._check: PendingCheck | None = None
         self._verdict: VerdictWaiter | None = None
@@ -161,6 +161,7 @@ class GradReducer:
         """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
         restore): from now on this ring compares it in every step's check."""
         self.applied_steps = n
+        self._reset()  # a step in flight when the state was synced or restored is discarded on every rank
         self._synced_pending = False  # a step reduced before the sync and not applied is discarded, not consumed
         self._boundary_seen = False
         self.boundary_due = False
@@ -203,16 +204,16 @@ class GradReducer:
             raise ValueError(f"weighting backward passes needs op=Average or op=Sum, this optimizer reduces with "
                              f"op={self._op.value}")
         self.pass_scale = share
-        if scale is not None and not self._pre_hooks:
+        if share is not None and not self._pre_hooks:
             self._pre_hooks = [p.register_hook(self._pre_hook(i)) for i, p in enumerate(self._params)]
+        self._pass_factors = {}
 
     def _pre_hook(self, i: int):
         def scale_pass(grad: torch.Tensor) -> torch.Tensor | None:
             scale = self.pass_scale
             if scale is None:
                 return None
-            j = self._passes_seen[i]
-            self._passes_seen[i] = j + 1
+            j = self.micro_calls  # accumulate mode: step() follows every pass
             factor = self._pass_factors.get(j)
             if factor is None:  # once per pass and step, not per parameter
                 n, total = scale(j)

@@ -32,6 +32,7 @@ class _DistributedMixin:
 
     _er_reducer: GradReducer
     _er_synchronize_in_step: bool
+    _er_accumulate: bool = False
 
     def synchronize(self) -> None:
         """Reduce gradients now (e.g. to clip them before ``step()``; then use ``skip_synchronize``)."""
@@ -47,6 +48,11 @@ class _DistributedMixin:
             self._er_synchronize_in_step = True
 
     def step(self, closure=None):  # noqa: D401 - torch's signature
+        if self._er_accumulate and self._er_synchronize_in_step:  # one call per micro-batch; apply after the last
+            reducer = self._er_reducer
+            reducer.micro_calls += 1
+            if reducer.micro_calls < reducer.passes:
+                return None
         if self._er_synchronize_in_step:
             self._er_reducer.synchronize()
         try:
@@ -108,6 +114,13 @@ class _DistributedMixin:
                   hint="call step() after that many backward passes")
         self._er_reducer.set_passes(passes)
 
+    def set_accumulate_in_step(self, accumulate: bool) -> None:
+        """Accumulate mode (a constant global batch turns it on): call ``zero_grad()``, backward and ``step()``
+        once per micro-batch as in a plain loop; ``step()`` applies after ``backward_passes_per_step`` calls
+        and only counts before that, and ``zero_grad()`` between them keeps the accumulating gradients."""
+        self._er_accumulate = bool(accumulate)
+        self._er_reducer.micro_calls = 0
+
     def _discard_step(self) -> None:
         """Drop a step in flight (its gradients and counts): the state layer does this when a recovery
         discards the step, before it re-sizes the step for a new ring."""
@@ -118,6 +131,8 @@ class _DistributedMixin:
         return self._er_reducer.passes
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._er_accumulate and self._er_reducer.micro_calls:
+            return  # between the micro-batches of one step: the gradients accumulate
         if self._er_reducer.pending:
             raise RuntimeError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "

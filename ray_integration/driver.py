@@ -228,7 +228,9 @@ class Driver:
             was_member = record.in_ring
             self.pool.answer(record, spec, stop=stop, handover=handover)
             if not was_member and reason != "start":
-                self.events.add("worker_joined", self.round_id, self.ring.world_size, worker=worker_id, node=record.node_id)
+                waited = None if record.ready_at is None else round(time.monotonic() - record.ready_at, 3)
+                self.events.add("worker_joined", self.round_id, self.ring.world_size, worker=worker_id,
+                                node=record.node_id, waited_s=waited)
         if self.stop_reason is not None and not stop:
             self.pool.notify(self.members(), self.round_id, stop=True, persist=True)
         self.events.add("ring_formed", self.round_id, self.ring.world_size, reason=reason, stop=stop, handover=handover,

@@ -168,8 +168,10 @@ class Running(DriverState):
                 time.monotonic() - self.change_requested_at > COMMIT_OVERDUE_S:
             self.overdue_reported = True
             d.events.add("commit_overdue", d.round_id, d.world_size, waited_s=COMMIT_OVERDUE_S,
-                         advice="workers wait to join, but the ring has not reached a state.commit(); call "
-                                "state.commit() every few steps (joins, drains and stops happen only at commits)")
+                         advice="workers wait to join, but the ring has reached neither a step boundary nor a "
+                                "state.commit(); hold one DistributedOptimizer and one ElasticSampler in the state "
+                                "(joins, drains and stops then happen at the next step), or call state.commit() "
+                                "every few steps")
         joiners = d.joiners()
         if decisions.should_grow(len(members), len(joiners), d.config.max_workers, self.change_requested, False):
             self.change_requested = True

@@ -45,6 +45,7 @@ class WorkerRecord:
     created_at: float
     info: dict | None = None
     joined_seq: int | None = None   # order in which it became ready (asked for its first ring)
+    ready_at: float | None = None   # driver's monotonic time when it first asked for a ring
     has_state: bool = False         # completed a sync: holds the job's state
     generation: int = 0             # the generation it last asked a ring for
     reason: str | None = None
@@ -275,6 +276,7 @@ class WorkerPool:
             record.generation, record.reason = generation, reason
             if record.joined_seq is None:
                 record.joined_seq = next(self._ready_seq)
+                record.ready_at = time.monotonic()
 
     def apply_ray(self, refs: list[Any]) -> None:
         """Bring records up to date with Ray object refs that completed (actor started, run ended)."""

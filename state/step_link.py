@@ -18,8 +18,10 @@ When a :class:`~state.State` holds exactly one ``DistributedOptimizer`` and exac
   (or ``TrainingStopped``) on every rank, the ring re-forms and the survivors hand their live
   state to the joiners. No ``state.commit()`` of the user's is needed for that.
 * **A constant global batch.** With ``ElasticSampler(global_batch_size=G)`` the optimizer runs
-  ``sampler.batches_per_step`` backward passes per step (set at every re-form) and weights
-  each pass by its share of the step's samples (``sampler.pass_share``).
+  ``sampler.batches_per_step`` backward passes per step (set at every re-form), weights each
+  pass by its share of the step's samples (``sampler.pass_share``), and accumulates: the loop
+  calls ``zero_grad()``, backward and ``step()`` once per micro-batch as a plain loop does, and
+  ``step()`` applies once per global step.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class StepLink:
         optimizer.set_step_boundary(notice_waits, at_boundary)
         if sampler.global_batch_size is not None:
             optimizer.set_pass_shares(sampler.pass_share)
+            optimizer.set_accumulate_in_step(True)
         sampler._link(True)
         self._hooks = [m.register_forward_pre_hook(self._before_forward) for m in modules]
         self.fit_ring()
@@ -83,6 +86,7 @@ class StepLink:
         self.optimizer.set_step_boundary(None, None)
         if self.sampler.global_batch_size is not None:
             self.optimizer.set_pass_shares(None)
+            self.optimizer.set_accumulate_in_step(False)
         self.sampler._link(False)
         for hook in self._hooks:
             hook.remove()

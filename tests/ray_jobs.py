@@ -93,3 +93,105 @@ def train(config: dict):
                 "round": er.round_id(), "resumed_from": state.resumed_from}
 
     return loop(state)
+
+
+def train_loss_logged(config: dict):
+    """The loop people write: it allreduces its loss for the log after every step and commits only at
+    epoch ends. Hits ride in the gradient reduction (a parameter whose gradient is the batch's hits), so
+    every sample's count is exact whatever a failure interrupts. ``kill``: (round, rank, step) SIGKILLs
+    that rank between ``optimizer.step()`` and the loss allreduce. Rank 0 reports every step with the
+    sampler's position, so the test can read steps redone and where joins happened."""
+    g = torch.Generator().manual_seed(5)
+    n = config.get("samples", 240)
+    xs, ys = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    model.hits = torch.nn.Parameter(torch.zeros(n))
+    optimizer = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                        op=er.Sum)
+    sampler = ElasticSampler(n, batch_size=config.get("batch", 2), seed=3)
+    state = TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0)
+    kill = tuple(config["kill"]) if config.get("kill") else None
+
+    @er.elastic.run
+    def loop(state):
+        while state.epoch < config.get("epochs", 2):
+            for batch in state.sampler:
+                idx = torch.tensor(batch, dtype=torch.long)
+                onehot = torch.zeros(n)
+                onehot[idx] = 1.0
+                optimizer.zero_grad()
+                loss = ((model(xs[idx]) - ys[idx]) ** 2).mean() if len(batch) else xs.new_zeros(())
+                (loss - (model.hits * onehot).sum()).backward()
+                optimizer.step()
+                if kill == (er.round_id(), er.rank(), state.sampler.step):
+                    os.kill(os.getpid(), signal.SIGKILL)  # after the apply, before the loop's own collective
+                logged = er.allreduce(loss.detach(), name="loss for the log")
+                state.sampler.record_batch()
+                if er.rank() == 0:
+                    er.report(loss=float(logged), step=state.sampler.step, round=er.round_id(),
+                              position=state.sampler.processed)
+                time.sleep(config.get("step_delay_s", 0.0))
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+        params = er.allgather_object([p.detach() for p in model.parameters()])
+        identical = all(torch.equal(a, b) for other in params for a, b in zip(params[0], other))
+        # SGD with lr 0.01 on Sum-reduced gradients of -hits: every sample's hits parameter ends at epochs * 0.01
+        seen = (model.hits.detach() / 0.01).round().tolist()
+        return {"step": state.sampler.step, "seen": seen, "identical": identical, "world": er.size()}
+
+    return loop(state)
+
+
+GB_N, GB_DIM, GB_G, GB_MICRO = 48, 5, 8, 2
+
+
+def gb_vectors() -> torch.Tensor:
+    """Integer-valued sample vectors of the global-batch job (its closed form is exact in float64)."""
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(-50, 50, (GB_N, GB_DIM), generator=g).to(torch.float64)
+
+
+def gb_expected(epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` and ``c`` after ``epochs`` epochs when every sample of every step weighs exactly 1/G."""
+    return -epochs * gb_vectors().sum(0) / GB_G, torch.full((GB_N,), -epochs / GB_G, dtype=torch.float64)
+
+
+def train_global_batch(config: dict):
+    """A plain loop (zero_grad, forward, backward, step per micro-batch) with a constant global batch of 8
+    samples in micro-batches of 2; loss linear in the parameters, integer data: the closed form is exact.
+    ``kill``: (round, rank, step) SIGKILLs that rank at the start of that step."""
+    v = gb_vectors()
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.zeros(GB_DIM, dtype=torch.float64))
+    holder.c = torch.nn.Parameter(torch.zeros(GB_N, dtype=torch.float64))
+    optimizer = er.DistributedOptimizer(torch.optim.SGD(holder.parameters(), lr=1.0), holder.named_parameters())
+    sampler = ElasticSampler(GB_N, batch_size=GB_MICRO, global_batch_size=GB_G, seed=4)
+    state = TorchState(model=holder, optimizer=optimizer, sampler=sampler, epoch=0)
+    kill = tuple(config["kill"]) if config.get("kill") else None
+    worlds = []
+
+    @er.elastic.run
+    def loop(state):
+        worlds.append(er.size())
+        while state.epoch < config.get("epochs", 2):
+            for batch in state.sampler:
+                if kill == (er.round_id(), er.rank(), state.sampler.step):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                idx = torch.tensor(batch, dtype=torch.long)
+                optimizer.zero_grad()
+                ((v[idx] * holder.w).sum(1) + holder.c[idx]).mean().backward()
+                optimizer.step()
+                state.sampler.record_batch()
+                time.sleep(config.get("step_delay_s", 0.0))
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
+            state.commit()
+        w, c = gb_expected(state.epoch)
+        every = er.allgather_object((holder.w.detach(), holder.c.detach()))
+        return {"exact": torch.equal(holder.w.detach(), w) and torch.equal(holder.c.detach(), c),
+                "identical": all(torch.equal(a, every[0][0]) and torch.equal(b, every[0][1]) for a, b in every),
+                "worlds": worlds, "passes": optimizer.backward_passes_per_step, "world": er.size()}
+
+    return loop(state)

@@ -9,12 +9,13 @@ every sample processed exactly once per epoch in committed work,
 
 The per-sample hit counts ride in the same reduction as ``w``'s gradient (a
 parameter ``count`` whose gradient is the batch's hits, so ``seen = -count``):
-a step's bookkeeping is atomic with its update, and the job has no collective
-of its own inside a step. One more element of ``count`` carries "the stop file
-exists" the same way, so every rank agrees when to stop without a collective.
-Commits happen every ``commit_every`` steps (0: only at epoch ends). With
-``counting="collective"`` the hits are summed by a collective of the job's own
-after ``optimizer.step()`` instead (the fallback case). Every process appends
+a step's bookkeeping is atomic with its update. One more element of ``count``
+carries "the stop file exists" the same way, so every rank agrees when to stop.
+Like the loops people write, the job allreduces its loss for the log after
+every ``optimizer.step()`` (a collective of its own, between the apply and
+``record_batch()``): kills land there too, and must cost at most the step in
+flight. Commits happen every ``commit_every`` steps (0: only at epoch ends);
+joins, drains and stops happen at the next step. Every process appends
 ``round step`` to ``steps-{pid}.log`` after each completed step.
 
 Faults are armed by the test through a file (:class:`FaultFile`): each a kind
@@ -181,8 +182,8 @@ def train(config: dict):
                                         op=er.Sum)
     sampler = ElasticSampler(N_SAMPLES, batch_size=config.get("batch", 2), seed=11)
     extra = {"flaky": Flaky(config["flaky_flag"])} if config.get("flaky_flag") else {}
-    state = TorchState(model=holder, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
-                       seen=torch.zeros(N_SAMPLES, dtype=torch.float64), probe=FaultPoint(), **extra)  # seen: collective
+    state = TorchState(model=holder, optimizer=optimizer, sampler=sampler, epoch=0, step=0, probe=FaultPoint(),
+                       **extra)
 
     def on_reset() -> None:
         global _ARMED
@@ -203,7 +204,6 @@ def train(config: dict):
             _die()
 
     state.register_reset_callbacks([on_reset])
-    counting = config.get("counting", "reduced")
     commit_every = config.get("commit_every", 0)
     step_log = os.path.join(config["chaos_dir"], f"steps-{os.getpid()}.log")
 
@@ -234,14 +234,12 @@ def train(config: dict):
                 hits[idx] += 1
                 hits[N_SAMPLES] = float(faults.stop_requested())
                 optimizer.zero_grad()
-                marks = hits if counting == "reduced" else torch.cat([torch.zeros(N_SAMPLES, dtype=torch.float64),
-                                                                      hits[N_SAMPLES:]])
-                ((holder.w * vectors[idx].sum(0)).sum() + (holder.count * marks).sum()).backward()
+                loss = (holder.w * vectors[idx].sum(0)).sum() + (holder.count * hits).sum()
+                loss.backward()
                 optimizer.step()
-                if counting == "collective":
-                    state.seen = state.seen + er.allreduce(hits[:N_SAMPLES], op=er.Sum)
+                er.allreduce(loss.detach().reshape(1), name="loss for the log")  # the usual per-step loss log
                 state.sampler.record_batch()
-                state.step += 1
+                state.step = state.sampler.step
                 er.report(step=state.step, epoch=state.epoch)
                 with open(step_log, "a") as f:
                     f.write(f"{er.round_id()} {state.step}\n")
@@ -262,7 +260,7 @@ def train(config: dict):
         fault = faults.pending(("kill_at_end",), er.rank())
         if fault and faults.claim(fault):
             _die()
-        seen = state.seen if counting == "collective" else -holder.count.detach()[:N_SAMPLES]
+        seen = -holder.count.detach()[:N_SAMPLES]
         return {"epochs": state.epoch, "step": state.step, "w": holder.w.detach().tolist(),
                 "exact": torch.equal(holder.w.detach(), expected_w(state.epoch)),
                 "identical": all(torch.equal(every[0], other) for other in every),
