@@ -1,6 +1,8 @@
 """ElasticSampler: the layout tables (per-rank and constant global batch), and exactly-once coverage over
 random resizes and rollbacks."""
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,7 +76,7 @@ def _ring(committed, world, batch):
 )
 def test_exactly_once_over_resizes_and_rollbacks(n, batch, ops, worlds):
     """Committed work covers every sample of every finished epoch exactly once."""
-    world_iter = iter(worlds * 10)
+    world_iter = itertools.cycle(worlds)
     committed = ElasticSampler(n, batch_size=batch, seed=7).state_dict()
     samplers, iters = _ring(committed, next(world_iter), batch)
     pending: list[int] = []           # processed since the last commit
