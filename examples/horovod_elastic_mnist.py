@@ -9,10 +9,17 @@ What changed from the original, line by line (everything else keeps its structur
 
  1. ``import horovod.torch as hvd`` -> ``import elastic_ring as er``, ``from state import ElasticSampler,
     TorchState``, ``from ray_integration import ElasticTrainer``; no torchvision / FileLock.
- 2. ``hvd.init()`` and the module-level script body -> ``train_fn(config)``: ElasticTrainer runs a
-    function on every worker (``args`` becomes ``config``, with the same defaults); ``main()`` parses
-    the same flags and calls ``ElasticTrainer(min_workers=..., max_workers=...).run(train_fn, config)``.
-    ``--no-cuda``/``--fp16-allreduce``/``--use-adasum`` are dropped (CPU example; no Adasum op here).
+ 2. the module-level script body -> ``train_fn(config)``: ElasticTrainer runs a function on every
+    worker (``args`` becomes ``config``); ``main()`` parses the same flags and calls
+    ``ElasticTrainer(min_workers=..., max_workers=...).run(train_fn, config)``. ``--no-cuda`` /
+    ``--fp16-allreduce`` / ``--use-adasum`` / ``--data-dir`` are dropped (CPU example, no Adasum here).
+    ``hvd.init()`` -> ``er.size()``, which forms this worker's ring. This line is NOT optional: an
+    ``ElasticSampler`` built before the worker's ring exists is cut for one rank (rank 0 of 1), and
+    when the first ring is formed lazily (by the first ``er.size()`` / ``er.rank()``, here the test
+    ``DistributedSampler``'s) before ``@er.elastic.run`` starts, nothing re-cuts it: every rank trains
+    on the whole epoch in the first ring (each sample ``world`` times, silently), and a joiner that
+    builds its sampler this way fails the ring with ``TensorMismatchError`` (more batches than its
+    peers). ``config["init_ring_first"] = False`` reproduces that (``tests/test_ported_scripts.py``).
  3. ``datasets.MNIST(..., download=True)`` -> ``load_digits()`` (1,797 8x8 images, 80/20 split),
     normalized by the data's own mean/std as ``transforms.Normalize`` does with MNIST's.
  4. ``Net``: ``conv1``/``conv2`` take ``kernel_size=3, padding=1`` (8x8 input, not 28x28), so the
@@ -70,7 +77,7 @@ from ray_integration import ElasticTrainer
 from state import ElasticSampler, TorchState
 
 DEFAULTS = {"batch_size": 64, "test_batch_size": 1000, "epochs": 10, "lr": 0.01, "momentum": 0.5, "seed": 42,
-            "log_interval": 10, "batches_per_commit": 50}
+            "log_interval": 10, "batches_per_commit": 50, "init_ring_first": True}
 
 
 def load_digits_like_mnist():
@@ -123,6 +130,10 @@ class Net(nn.Module):
 
 def train_fn(config: dict):
     args = argparse.Namespace(**{**DEFAULTS, **config})
+    # Horovod: initialize library. (elastic_ring: form this worker's ring now, BEFORE the ElasticSampler
+    # is built; a sampler built before the ring splits its first epoch for one rank: see change 2)
+    if args.init_ring_first:
+        er.size()
     torch.manual_seed(args.seed)
 
     # Horovod: limit # of CPU threads to be used per worker.

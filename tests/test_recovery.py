@@ -2,7 +2,7 @@
 
 import pytest
 
-from state.recovery import CONSISTENT, DIRTY, WHOLE, Mode, RankStatus, decide_sync
+from state.recovery import CONSISTENT, DIRTY, WHOLE, Mode, RankStatus, decide_sync, failure_trust
 
 
 def S(holds=True, trust=CONSISTENT, version=10, commit=8):
@@ -38,3 +38,18 @@ def test_rows_round_trip_and_bad_codes():
     assert RankStatus.from_row(s.as_row()) == s
     with pytest.raises(ValueError, match="trust code"):
         RankStatus.from_row([1, 7, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "linked, surfaced_whole, inside_apply, expected",
+    [
+        (True, True, False, WHOLE),     # linked: a gradient bucket, the step's check, a commit, a sync
+        (True, False, False, WHOLE),    # linked: the loop's own collective (a loss log, a "have a batch" flag)
+        (False, True, False, WHOLE),    # unlinked: where the state is whole whatever the loop
+        (False, False, False, DIRTY),   # unlinked: the loop's own collective may sit inside its bookkeeping
+        (True, False, True, DIRTY),     # inside the wrapped optimizer's own step(): half applied
+        (False, True, True, DIRTY),
+    ],
+)
+def test_failure_trust(linked, surfaced_whole, inside_apply, expected):
+    assert failure_trust(linked, surfaced_whole, inside_apply) == expected
