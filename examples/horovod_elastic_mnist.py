@@ -51,6 +51,12 @@ What changed from the original, line by line (everything else keeps its structur
 13. ``hvd.broadcast_parameters`` is not needed (the original has none either: the state's sync does it).
 14. ``test()``: ``F.nll_loss(..., size_average=False)`` -> ``reduction="sum"`` (removed keyword);
     ``test_accuracy`` is a float; it returns its metrics (train_fn returns them to ``run()``).
+15. ``test_sampler``/``test_loader`` are built inside ``test()`` (the same two statements), not next to
+    the training loader: ``test()`` runs after the elastic ``train(state)``, for the final ring, and the
+    elastic loop re-points only the ``DistributedSampler``s that its own function reaches (arguments,
+    closure, globals it names, one level deep); ``train`` does not name ``test_loader``, so one built
+    at the start keeps the first ring's split: after a resize two ranks score the same shard and one
+    shard is never scored, with no warning.
 
 Lines marked ``# test hook`` are not part of the port: they let ``tests/test_ported_scripts.py`` kill a
 rank at a chosen step (``config["kill"] = (round, rank, step)``), slow steps down, and count every
@@ -147,12 +153,6 @@ def train_fn(config: dict):
     train_sampler = ElasticSampler(train_dataset, batch_size=args.batch_size, seed=args.seed)
     train_loader = torch.utils.data.DataLoader(train_dataset, batch_sampler=train_sampler, **kwargs)
 
-    # Horovod: use DistributedSampler to partition the test data.
-    test_sampler = torch.utils.data.distributed.DistributedSampler(
-        test_dataset, num_replicas=er.size(), rank=er.rank())
-    test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size,
-                                              sampler=test_sampler, **kwargs)
-
     model = Net()
     groups = [{"params": list(model.parameters())}]
     if getattr(args, "count_hits", False):  # test hook: one counter per sample, moved only by optimizer steps
@@ -215,6 +215,11 @@ def train_fn(config: dict):
             state.commit()
 
     def test():
+        # Horovod: use DistributedSampler to partition the test data (elastic_ring: built here, for the final ring).
+        test_sampler = torch.utils.data.distributed.DistributedSampler(
+            test_dataset, num_replicas=er.size(), rank=er.rank())
+        test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size,
+                                                  sampler=test_sampler, **kwargs)
         model.eval()
         test_loss = 0.
         test_accuracy = 0.
@@ -240,7 +245,7 @@ def train_fn(config: dict):
         if er.rank() == 0:
             print('\nTest set: Average loss: {:.4f}, Accuracy: {:.2f}%\n'.format(
                 test_loss, 100. * test_accuracy))
-        return {"test_loss": test_loss, "test_accuracy": test_accuracy}
+        return {"test_loss": test_loss, "test_accuracy": test_accuracy}, test_sampler
 
     # elastic_ring: wrap optimizer with DistributedOptimizer.
     optimizer = er.DistributedOptimizer(optimizer,
@@ -254,7 +259,7 @@ def train_fn(config: dict):
     state = TorchState(model, optimizer, train_sampler=train_sampler, epoch=1, batch=0)
     state.register_reset_callbacks([on_state_reset])
     train(state)
-    result = test()
+    result, test_sampler = test()
     result.update(epochs=state.epoch, steps=train_sampler.step, world=er.size())
     if getattr(args, "count_hits", False):  # test hook: what the test checks, from every rank
         params = er.allgather_object([p.detach().clone() for p in model.parameters()])

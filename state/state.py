@@ -135,13 +135,18 @@ class State:
         return self._link is not None
 
     def _boundary_commit(self) -> None:
-        """At a step boundary the ring agreed on (a driver notice waits): commit, and let the commit's
-        agreement raise MembershipChanged or TrainingStopped on every rank (persisting first if asked)."""
-        with er.timeline.span("commit", "state", commit=self._commits + 1, at="step boundary"):
-            self._save()
-            object.__setattr__(self, "_commits", self._commits + 1)
-            object.__setattr__(self, "_commit_version", self.version)
-            self.check_membership()
+        """At a step boundary the ring agreed on (a driver notice waits): the commit's agreement, then
+        MembershipChanged or TrainingStopped on every rank. The state is snapshotted only when the notices
+        ask for a durable write (a drain, a stop): a join's re-form hands over the live state, not a copy."""
+        with er.timeline.span("boundary", "state", step=self._applied()):
+            changed, persist, stop = self._agree_notices()
+            if not (changed or stop):
+                return
+            if persist or stop:  # every rank agreed on the same flags: commit counts stay equal
+                self._save()
+                object.__setattr__(self, "_commits", self._commits + 1)
+                object.__setattr__(self, "_commit_version", self.version)
+            self._act_on_notices(persist, stop)
 
     @property
     def names(self) -> list[str]:
@@ -183,8 +188,14 @@ class State:
     def check_membership(self) -> None:
         """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
         pending change, or :class:`TrainingStopped` if the job must stop; persist first if asked."""
+        changed, persist, stop = self._agree_notices()
+        if changed or stop:
+            self._act_on_notices(persist, stop)
+
+    def _agree_notices(self) -> tuple[int, int, int]:
+        """The one collective in which every rank learns the notices of any rank: (changed, persist, stop)."""
         if not er.is_initialized():
-            return
+            return 0, 0, 0
         try:
             changed, persist, stop = er.agree_max("State.commit", [int(membership.membership_change_requested()),
                                                                    int(membership.persist_requested()),
@@ -192,8 +203,10 @@ class State:
         except er.CommError as exc:
             exc.live_state_consistent = True  # the commit is complete: the state is whole
             raise
-        if not (changed or stop):
-            return
+        return changed, persist, stop
+
+    def _act_on_notices(self, persist: int, stop: int) -> None:
+        """Consume the notices, write the last commit durably if asked, and raise on every rank."""
         membership.clear_membership_change()
         if persist or stop:
             if self._writer is None:

@@ -47,12 +47,13 @@ def test_a_join_notice_acts_at_the_next_step_on_every_rank(ring):
     results = ring.run(_notice_at, 1, 4, "change")
     # the notice was posted before step 5's check: every rank applied step 5 and acted before step 6's forward
     assert {r[:4] for r in results} == {("changed", 5, 5, 5)}, results
-    assert {r[4] for r in results} == {1}, results  # one commit: the boundary's own
+    assert {r[4] for r in results} == {0}, results  # no snapshot: the re-form hands over the live state
 
 
 def test_a_stop_notice_stops_every_rank_at_the_next_step(ring):
     results = ring.run(_notice_at, 2, 2, "stop")
     assert {r[:3] for r in results} == {("stopped", 3, 3)}, results
+    assert {r[4] for r in results} == {1}, results  # a stop commits (and writes that commit durably)
 
 
 def _alone():
