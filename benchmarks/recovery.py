@@ -214,8 +214,8 @@ def describe(name: str, run: dict) -> str:
 def summary(name: str, values: list, unit: str = "s", fmt: str = "7.3f") -> str:
     values = [v for v in values if v is not None]
     if not values:
-        return f"{name:<44} (no value)"
-    return (f"{name:<44} median {statistics.median(values):{fmt}} {unit:<5} worst {max(values):{fmt}} {unit:<5} "
+        return f"{name:<46} (no value)"
+    return (f"{name:<46} median {statistics.median(values):{fmt}} {unit:<5} worst {max(values):{fmt}} {unit:<5} "
             f"(n={len(values)})")
 
 
@@ -235,7 +235,7 @@ def ours_lines(label: str, runs: list[dict]) -> list[str]:
             summary(f"ours, {label}: from ask - sync (goal <= 2)", get("beyond_sync_steps"), "steps", "7.1f"),
             summary(f"ours, {label}: survivors' join pause", get("pause")),
             summary(f"ours, {label}: driver waited_s", get("waited")),
-            f"{'ours, ' + label + ': joins mid-epoch':<44} {sum(bool(r.get('mid_epoch')) for r in runs)}/{len(runs)}"]
+            f"{'ours, ' + label + ': joins mid-epoch':<46} {sum(bool(r.get('mid_epoch')) for r in runs)}/{len(runs)}"]
 
 
 def run_ours(label: str, args, trainer_kwargs: dict) -> list[dict]:

@@ -10,6 +10,11 @@ What changed from the original, line by line:
 
  1. ``import ray.train`` / ``ScalingConfig`` / ``TorchTrainer`` / torchvision -> ``import elastic_ring as
     er``, ``from state import ElasticSampler, TorchState``, ``from ray_integration import ElasticTrainer``.
+    Added ``er.size()`` first in ``train_func_per_worker`` (Ray Train's process group exists before the
+    function runs; elastic_ring forms the worker's ring at its first call): an ``ElasticSampler`` built
+    before the ring exists is cut for one rank, and nothing re-cuts it when the ring is formed lazily
+    before ``@er.elastic.run`` (here by the test ``DistributedSampler``'s ``er.size()``). Also
+    ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)`` (2-core machine; the same initial model).
  2. ``get_dataloaders``: ``datasets.FashionMNIST(root="~/data", download=True, transform=...)`` ->
     ``fashion_like(...)`` (same shape, same ``Normalize((0.5,), (0.5,))``); sizes from ``config``.
  3. ``[1] train_dataloader = ray.train.torch.prepare_data_loader(train_dataloader)`` ->
@@ -24,7 +29,8 @@ What changed from the original, line by line:
  6. added ``state = TorchState(model=model, optimizer=optimizer, sampler=train_sampler, epoch=0)``.
  7. ``for epoch in range(epochs):`` -> ``@er.elastic.run def train_loop(state): for state.epoch in
     range(state.epoch, epochs):`` with ``train_sampler.set_epoch(state.epoch)`` first (what
-    ``prepare_data_loader``'s loader did), and ``epoch`` -> ``state.epoch`` in the tqdm labels.
+    ``prepare_data_loader``'s loader did), and ``epoch`` -> ``state.epoch`` in the tqdm labels; the
+    tqdm bars are off unless ``config["tqdm"]`` (they would fill every worker's log).
  8. added ``train_sampler.record_batch()`` after ``optimizer.step()``.
  9. ``[3] ray.train.report(metrics={...})`` -> ``er.report(**metrics)`` (rank 0's record reaches the
     driver, as Ray Train keeps rank 0's), then ``state.commit()`` at the epoch's end.
@@ -127,6 +133,7 @@ def train_func_per_worker(config: Dict):
     lr = config["lr"]
     epochs = config["epochs"]
     batch_size = config["batch_size_per_worker"]
+    er.size()  # form this worker's ring before the ElasticSampler is built (Ray Train's exists before train_func)
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
@@ -222,6 +229,7 @@ def train_func_per_worker(config: Dict):
         scores = torch.tensor([float(metrics["accuracy"] * len(sampler)), float(len(sampler))])
         totals = er.allreduce(scores, op=er.Sum)
         metrics["ring_accuracy"] = float(totals[0] / totals[1])
+        metrics["shard_accuracy"] = er.allgather_object(metrics["accuracy"])
     return metrics
 
 
