@@ -82,7 +82,7 @@ import elastic_ring as er
 from ray_integration import ElasticTrainer
 from state import ElasticSampler, TorchState
 
-DEFAULTS = {"batch_size": 64, "test_batch_size": 1000, "epochs": 10, "lr": 0.01, "momentum": 0.5, "seed": 42,
+DEFAULTS = {"batch_size": 32, "test_batch_size": 1000, "epochs": 10, "lr": 0.05, "momentum": 0.5, "seed": 42,
             "log_interval": 10, "batches_per_commit": 50, "init_ring_first": True}
 
 
