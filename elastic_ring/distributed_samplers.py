@@ -6,8 +6,10 @@ skip samples, silently). Before every run of the training function, the elastic 
 ``DistributedSampler`` objects the function can reach (its arguments, its closure and the globals
 it names, and the samplers of DataLoaders among those, one level deep) and points them at the
 current ring. A ``DistributedSampler`` does not know how far an epoch got, so after a failure or a
-resize its epoch restarts (samples are seen twice): a warning says so once, and names the fix
-(``state.ElasticSampler`` keeps each sample of an epoch exactly once).
+resize its epoch restarts (samples are seen twice): a log line says so once per sampler, and names
+the fix for training data (``state.ElasticSampler`` keeps each sample of an epoch exactly once).
+A sampler the loop cannot reach (built and used by an evaluation function the loop never names) is
+not seen: build it where it is used, from ``er.size()`` and ``er.rank()``.
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ def retarget_reachable(func: Callable[..., Any], args: Iterable[Any], kwargs: di
             changed += 1
             if id(sampler) not in _warned:
                 _warned.add(id(sampler))
-                _log.warning(
-                    "a torch DistributedSampler in the elastic loop now splits its data over the new ring of %d "
-                    "ranks; it does not know how far the epoch got, so that epoch restarts and part of it is "
-                    "seen twice. For training data use state.ElasticSampler (each sample of an epoch exactly "
-                    "once across failures and resizes)", size)
+                _log.info(
+                    "a torch DistributedSampler the elastic loop uses now splits its data over the ring of %d "
+                    "ranks (as it will after every resize); it cannot know how far an epoch got, so an epoch it "
+                    "was in restarts on the new ring: right for evaluation; for training data use "
+                    "state.ElasticSampler (each sample of an epoch exactly once)", size)
     return changed

@@ -271,6 +271,7 @@ class State:
         first sync) the initial or resumed state; ``root_rank`` forces the root. Then commit locally."""
         with er.timeline.span("sync", "state"):
             self._relink()
+            self._fit_samplers()
             statuses = self._statuses()
             if root_rank is None:
                 decision = decide_sync(statuses)
@@ -307,6 +308,19 @@ class State:
             object.__setattr__(self, "_commit_version", version)
             if decision.mode is not Mode.FRESH and (decision.mode is Mode.ROLLBACK or statuses != [status] * len(statuses)):
                 _log.info("synced from rank %d (%s state, version %d)", root, decision.mode.value, version)
+
+    def _fit_samplers(self) -> None:
+        """Cut every sampler for the current ring. A re-form does it in on_reset; this catches a sampler built
+        before the ring existed (a ring formed lazily by ``er.size()`` before ``@er.elastic.run``)."""
+        if not er.is_initialized():
+            return
+        rank, world = er.rank(), er.size()
+        for handler in self._handlers.values():
+            sampler = handler.value
+            if isinstance(sampler, ElasticSampler) and (sampler._rank, sampler._world) != (rank, world):
+                sampler.reset(rank, world)
+                if self._link is not None:
+                    self._link.fit_ring()
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callbacks run after every re-forming of the ring (e.g. rescale the LR to the new size)."""
