@@ -8,8 +8,10 @@ it names, and the samplers of DataLoaders among those, one level deep) and point
 current ring. A ``DistributedSampler`` does not know how far an epoch got, so after a failure or a
 resize its epoch restarts (samples are seen twice): a log line says so once per sampler, and names
 the fix for training data (``state.ElasticSampler`` keeps each sample of an epoch exactly once).
-A sampler the loop cannot reach (built and used by an evaluation function the loop never names) is
-not seen: build it where it is used, from ``er.size()`` and ``er.rank()``.
+Only samplers split for the ring the loop last ran in follow (one built with another split on
+purpose, such as ``num_replicas=1`` for an evaluation on rank 0, is left alone). A sampler the
+loop cannot reach (built and used by an evaluation function the loop never names, or held by an
+object) is not seen: build it where it is used, from ``er.size()`` and ``er.rank()``.
 """
 
 from __future__ import annotations
@@ -68,10 +70,15 @@ def retarget(sampler: torch.utils.data.DistributedSampler, rank: int, size: int)
 
 
 def retarget_reachable(func: Callable[..., Any], args: Iterable[Any], kwargs: dict[str, Any], rank: int,
-                       size: int) -> int:
-    """Point every DistributedSampler ``func`` can reach at the current ring; return how many changed."""
+                       size: int, previous: tuple[int, int] | None = None) -> int:
+    """Point the DistributedSamplers ``func`` can reach at ring ``(rank, size)``; return how many changed.
+    With ``previous`` (this process's ``(rank, size)`` in the ring the loop last ran in), only samplers split for
+    that ring follow: one built for another split on purpose (``num_replicas=1`` for a rank-0 evaluation, a
+    sub-group) is left alone."""
     changed = 0
     for sampler in _samplers(_candidates(func, args, kwargs)):
+        if previous is not None and (sampler.rank, sampler.num_replicas) != previous:
+            continue
         if retarget(sampler, rank, size):
             changed += 1
             if id(sampler) not in _warned:

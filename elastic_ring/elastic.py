@@ -126,6 +126,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> Any:
         reason = None if runtime.is_initialized() else "start"
+        ring: tuple[int, int] | None = None  # (rank, size) of the ring the loop last ran in
         while True:
             try:
                 try:  # re-forming and syncing leave the state as it was: a failure here is at a whole state
@@ -144,8 +145,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                 if _ask("stop_pending", False):
                     state.commit()  # the state's commit persists and ends the run on every rank of this round
                 comm = runtime.current_or_none()
-                if comm is not None:  # torch DistributedSamplers the loop uses split for this ring
-                    distributed_samplers.retarget_reachable(func, (state, *args), kwargs, comm.rank, comm.size)
+                if comm is not None:  # torch DistributedSamplers the loop split for its last ring follow this one
+                    if ring is not None and ring != (comm.rank, comm.size):
+                        distributed_samplers.retarget_reachable(func, (state, *args), kwargs, comm.rank, comm.size,
+                                                                previous=ring)
+                    ring = (comm.rank, comm.size)
                 return func(state, *args, **kwargs)
             except CommError as exc:
                 _on_failure(state, exc)

@@ -104,6 +104,7 @@ class GradReducer:
         #: ``share(j) -> (n, total)``: backward pass ``j`` of a step holds n of the step's total samples (None: off).
         self.pass_scale = None
         self._boundary_seen = False
+        self.micro_calls = 0  # accumulate mode: step() calls of this step so far (= the backward pass running)
         self._synced_pending = False  # a step was reduced and neither applied nor skipped yet
         self._pre_hooks: list = []
         self._step_armed = True
@@ -140,7 +141,6 @@ class GradReducer:
         self._digest = signature_hash(self._kind, self._entries)
 
     def _reset(self) -> None:
-        self.micro_calls = 0  # accumulate mode: step() calls of this step so far (= the backward pass running)
         self._pass_factors: dict[int, float] = {}
         self._check: PendingCheck | None = None
         self._verdict: VerdictWaiter | None = None
@@ -162,6 +162,7 @@ class GradReducer:
         restore): from now on this ring compares it in every step's check."""
         self.applied_steps = n
         self._reset()  # a step in flight when the state was synced or restored is discarded on every rank
+        self.micro_calls = 0
         self._synced_pending = False  # a step reduced before the sync and not applied is discarded, not consumed
         self._boundary_seen = False
         self.boundary_due = False
@@ -190,11 +191,13 @@ class GradReducer:
         self._passes = passes
         self._use_plan(self.bucket_bytes)
         self._reset()
+        self.micro_calls = 0
 
     def discard_step(self) -> None:
         """Forget the step in flight (after a failure discarded it); in-flight buckets are dropped unwaited."""
         self._reset()
         self._synced_pending = False
+        self.micro_calls = 0
         for p in self._params:
             p.grad = None
 
@@ -213,6 +216,8 @@ class GradReducer:
             scale = self.pass_scale
             if scale is None:
                 return None
+            if self._synced_pending:  # a skipped step is consumed before this step's weights are read
+                self._skipped_if_pending()
             j = self.micro_calls  # accumulate mode: step() follows every pass
             factor = self._pass_factors.get(j)
             if factor is None:  # once per pass and step, not per parameter
@@ -229,12 +234,14 @@ class GradReducer:
         """``step()`` applied the reduced gradients: count the step and tell the listeners."""
         self.applied_steps += 1
         self._synced_pending = False
+        self.micro_calls = 0
         self._consumed(applied=True)
 
     def _skipped_if_pending(self) -> None:
         """A step reduced but never applied, and a new one begins: it was skipped (GradScaler did that)."""
         if self._synced_pending:
             self._synced_pending = False
+            self.micro_calls = 0
             self._consumed(applied=False)
 
     def _consumed(self, applied: bool) -> None:
@@ -252,15 +259,24 @@ class GradReducer:
 
     def run_boundary(self, in_step: bool = False) -> None:
         """Run the due boundary's ``act()`` before the next step's work. ``in_step``: called from inside that
-        step (its backward or synchronize): nothing of it was sent yet, and its gradients are dropped."""
+        step (its backward or synchronize), where nothing of it was sent yet: if ``act()`` raises, the step's
+        gradients are dropped (the step is redone after the re-form); if it returns, the step goes on."""
         if not self.boundary_due:
             return
         self.boundary_due = False
-        if in_step:
-            self._reset()
-            for p in self._params:
-                p.grad = None
-        self.boundary_act()
+        try:
+            self.boundary_act()
+        except BaseException:
+            if in_step:
+                self._reset()
+                self.micro_calls = 0
+                for p in self._params:
+                    p.grad = None
+            raise
+
+    def settle_skipped(self) -> None:
+        """Count a step that was reduced and not applied as skipped now."""
+        self._skipped_if_pending()
 
     def _bind(self, comm: Communicator) -> None:
         """Start using ``comm``: on a new ring, drop what was in flight, new buckets, tune again."""
@@ -508,6 +524,7 @@ class GradReducer:
         self._layout = None
         self._synced_pending = False
         self._boundary_seen = False
+        self.micro_calls = 0
         for p in self._params:
             p.grad = None
         setattr(exc, "live_state_consistent", True)

@@ -36,7 +36,21 @@ class _DistributedMixin:
 
     def synchronize(self) -> None:
         """Reduce gradients now (e.g. to clip them before ``step()``; then use ``skip_synchronize``)."""
+        if not self.step_applies_next:
+            reducer = self._er_reducer
+            raise RuntimeError(
+                f"optimizer.synchronize() before micro-batch {reducer.micro_calls + 1} of {reducer.passes}: with a "
+                "constant global batch, step() applies only after the step's last micro-batch, and the gradients "
+                "are complete only then; clip or unscale them only when optimizer.step_applies_next is True"
+            )
         self._er_reducer.synchronize()
+
+    @property
+    def step_applies_next(self) -> bool:
+        """Whether the next ``step()`` applies (always, except between the micro-batches of a constant global
+        batch's step): gate gradient clipping, ``GradScaler.unscale_`` / ``step`` / ``update`` on it."""
+        reducer = self._er_reducer
+        return not self._er_accumulate or reducer.micro_calls >= reducer.passes - 1
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -48,7 +62,7 @@ class _DistributedMixin:
             self._er_synchronize_in_step = True
 
     def step(self, closure=None):  # noqa: D401 - torch's signature
-        if self._er_accumulate and self._er_synchronize_in_step:  # one call per micro-batch; apply after the last
+        if self._er_accumulate:  # one call per micro-batch; apply after the last
             reducer = self._er_reducer
             reducer.micro_calls += 1
             if reducer.micro_calls < reducer.passes:
@@ -120,6 +134,10 @@ class _DistributedMixin:
         and only counts before that, and ``zero_grad()`` between them keeps the accumulating gradients."""
         self._er_accumulate = bool(accumulate)
         self._er_reducer.micro_calls = 0
+
+    def _settle_skipped(self) -> None:
+        """A step reduced and not applied counts as skipped now (before an epoch ends), not at the next gradient."""
+        self._er_reducer.settle_skipped()
 
     def _discard_step(self) -> None:
         """Drop a step in flight (its gradients and counts): the state layer does this when a recovery

@@ -67,7 +67,10 @@ import elastic_ring as er
 
 from elastic_ring.validation import check_bool, check_int, is_int
 
-from .sampler_layout import micro_batches, micro_step_sizes, share, step_sizes
+import bisect
+from typing import Callable
+
+from .sampler_layout import global_steps, share, step_sizes
 
 _WRAPPED = ("ElasticSampler is a batch sampler: pass it as DataLoader(dataset, batch_sampler=sampler) (and no "
             "batch_size / shuffle / sampler / drop_last); it was passed as sampler=, which would yield batches of batches")
@@ -98,6 +101,10 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed = 0
         self.step = 0
         self._linked = False
+        #: Called before a new epoch starts (the step link settles a step the optimizer reduced and skipped).
+        self._before_new_epoch: Callable[[], None] | None = None
+        #: Called after every re-partition (the step link sizes the optimizer's next step for it).
+        self._on_repartition: Callable[[], None] | None = None
         self.reset()
 
     # ------------------------------------------------------------ layout
@@ -115,13 +122,27 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._base = self.processed
         self._done = 0   # batches consumed since this re-partition
         self._acks = 0   # record_batch() calls since this re-partition (linked mode)
+        self._acks_counted = 0  # acks already accounted for by an optimizer step (linked mode)
         remaining, g = self.num_samples - self._base, self.global_batch_size
         if g is None:
-            self._per_step, self._sizes = 1, step_sizes(remaining, world, self.batch_size)
+            self._sizes = step_sizes(remaining, world, self.batch_size)
+            self._starts = list(range(len(self._sizes) + 1))
         else:
-            self._per_step = micro_batches(g, world, self.batch_size)
-            self._sizes = micro_step_sizes(remaining, world, self.batch_size, g)
+            steps = global_steps(remaining, world, self.batch_size, g)
+            self._sizes = [chunk for step in steps for chunk in step]
+            self._starts = [0]
+            for step in steps:
+                self._starts.append(self._starts[-1] + len(step))
         self._publish()
+        if self._on_repartition is not None:
+            self._on_repartition()
+
+    def _step_span(self) -> tuple[int, int]:
+        """``[first, end)`` entries of the step that holds the next unconsumed batch (empty at the epoch's end)."""
+        k = bisect.bisect_right(self._starts, self._done) - 1
+        if k >= len(self._starts) - 1:
+            return len(self._sizes), len(self._sizes)
+        return self._starts[k], self._starts[k + 1]
 
     def _publish(self) -> None:
         er.set_progress(step=self.step, epoch=self.epoch, samples=self.epoch * self.num_samples + self.processed)
@@ -134,16 +155,23 @@ class ElasticSampler(torch.utils.data.Sampler):
         if epoch < self.epoch and (self.processed or self.step):
             raise ValueError(
                 f"ElasticSampler.set_epoch({epoch}): the sampler is already at epoch {self.epoch}; epochs only "
-                f"move forward — build a new sampler to start over"
+                f"move forward (after a recovery, take the epoch from state.sampler.epoch) — build a new sampler "
+                f"to start over"
             )
+        if self._before_new_epoch is not None:
+            self._before_new_epoch()  # a step reduced and then skipped still belongs to the epoch it trained
         self.epoch = epoch
         self.processed = 0
         self.reset(self._rank, self._world)
 
     @property
     def batches_per_step(self) -> int:
-        """Micro-batches per rank per optimizer step: ``M`` with a global batch size, else 1."""
-        return self._per_step
+        """Micro-batches per rank in the next optimizer step: with a global batch size ``M`` (more in the epoch's
+        last step when a tail was folded into it), else 1."""
+        if self.global_batch_size is None:
+            return 1
+        first, end = self._step_span()
+        return max(1, end - first)
 
     @property
     def _consumed(self) -> int:
@@ -161,9 +189,10 @@ class ElasticSampler(torch.utils.data.Sampler):
         if self._linked:
             self._acks += 1
             return
+        end = self._step_span()[1]
         self.processed += self._sizes[self._done]
         self._done += 1
-        if self._done % self._per_step == 0:
+        if self._done == end:
             self.step += 1
         self._publish()
 
@@ -175,11 +204,23 @@ class ElasticSampler(torch.utils.data.Sampler):
     def _link(self, linked: bool = True) -> None:
         """Enter (or leave) linked mode: the optimizer's steps advance the position (see ``_advance``)."""
         check_bool("ElasticSampler._link", "linked", linked)
-        self._linked, self._acks = linked, self._done
+        self._linked, self._acks, self._acks_counted = linked, self._done, self._done
 
-    def _advance(self, batches: int) -> None:
-        """One optimizer step that consumed ``batches`` yielded batches is applied (capped at the partition's end)."""
-        check_int("ElasticSampler._advance", "batches", batches, minimum=0)
+    def _advance(self, passes: int) -> None:
+        """An optimizer step of ``passes`` backward passes was consumed (applied, or reduced and skipped).
+
+        With a global batch size it consumes the current global step. Otherwise it consumes the batches the loop
+        acknowledged (``record_batch()``) since the previous step, when there are any: in steady state that is one
+        step's batches whether the loop records before or after ``step()``, and it also counts batches the loop
+        skipped without a step; with no acknowledgment yet (a loop that records after ``step()``, at a
+        partition's first step, or one that never records) it consumes ``passes`` batches."""
+        check_int("ElasticSampler._advance", "passes", passes, minimum=0)
+        if self.global_batch_size is not None:
+            batches = max(0, self._step_span()[1] - self._done)
+        else:
+            window = self._acks - self._acks_counted
+            batches = window if window > 0 else passes
+        self._acks_counted = self._acks
         end = min(self._done + batches, len(self._sizes))
         self.processed += sum(self._sizes[self._done:end])
         self._done = end
@@ -188,16 +229,15 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def pass_share(self, j: int) -> tuple[int, int]:
         """``(n_rj, S)``: this rank's samples in micro-batch ``j`` of the next unconsumed step, and the step's total."""
-        check_int("ElasticSampler.pass_share", "j", j, minimum=0, maximum=self._per_step - 1,
-                  hint=f"a step has {self._per_step} micro-batches (batches_per_step)")
-        first = self._done - self._done % self._per_step
-        if first >= len(self._sizes):
+        first, end = self._step_span()
+        if first >= end:
             raise RuntimeError(
                 f"ElasticSampler.pass_share({j}): epoch {self.epoch} has no step left on this rank's partition; "
                 f"call set_epoch() to start the next epoch"
             )
-        total = sum(self._sizes[first:first + self._per_step])
-        return share(self._sizes[first + j], self._world, self._rank)[1], total
+        check_int("ElasticSampler.pass_share", "j", j, minimum=0, maximum=end - first - 1,
+                  hint=f"this step has {end - first} micro-batches (batches_per_step)")
+        return share(self._sizes[first + j], self._world, self._rank)[1], sum(self._sizes[first:end])
 
     # ------------------------------------------------------------ iteration
     def _permutation(self) -> torch.Tensor:

@@ -12,10 +12,14 @@ exact.
 
 With a constant global batch ``G`` the global steps are ``G`` positions each
 (the tail folded the same way), whatever the world size; each step of ``S``
-positions is cut into ``M = ceil(G / (world * batch_size))`` consecutive
-micro-batch chunks (sizes differing by at most one, larger first), and each
-chunk is shared over the ranks as above. :func:`micro_step_sizes` lists the
-chunks' global sizes, ``M`` per global step, so progress stays one integer.
+positions is cut into ``ceil(S / (world * batch_size))`` consecutive micro-batch
+chunks (``M`` for a regular step; more for the epoch's last step when a tail
+was folded into it, so no rank ever takes more than ``batch_size`` per pass),
+but never more than ``S // world`` (so no pass is empty on any rank: with
+``batch_size=1`` and ``G`` not a multiple of the world size, a pass may then
+take 2). Chunk sizes differ by at most one (larger first), and each chunk is
+shared over the ranks as above. :func:`global_steps` lists the chunks' global
+sizes per step; progress stays one integer.
 """
 
 from __future__ import annotations
@@ -42,14 +46,32 @@ def share(step_size: int, world: int, rank: int) -> tuple[int, int]:
     return rank * q + min(rank, extra), q + (1 if rank < extra else 0)
 
 
+def chunks_per_step(step_size: int, world: int, batch_size: int) -> int:
+    """Backward passes per rank for a global step of ``step_size`` samples: enough that no rank takes more than
+    ``batch_size`` in one pass, but never so many that a pass is empty on some rank (at most ``step_size // world``;
+    a step with fewer samples than ranks has one pass, empty on the ranks it cannot reach)."""
+    if step_size < 0 or world < 1 or batch_size < 1:
+        raise ValueError(f"step_size={step_size}, world={world}, batch_size={batch_size} must be >= 0, >= 1, >= 1")
+    need = -(-step_size // (world * batch_size))
+    return max(1, min(need, step_size // world))
+
+
 def micro_batches(global_batch_size: int, world: int, batch_size: int) -> int:
-    """``M``: micro-batches per rank per global step, so that no rank takes more than ``batch_size`` per pass."""
-    if global_batch_size < 1 or world < 1 or batch_size < 1:
-        raise ValueError(f"global_batch_size={global_batch_size}, world={world}, batch_size={batch_size} must be >= 1")
-    return -(-global_batch_size // (world * batch_size))
+    """Micro-batches per rank in a regular global step (one of ``global_batch_size`` samples)."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size} must be >= 1")
+    return chunks_per_step(global_batch_size, world, batch_size)
+
+
+def global_steps(remaining: int, world: int, batch_size: int, global_batch_size: int) -> list[list[int]]:
+    """The remaining global steps, each as the global sizes of its micro-batch chunks (larger first)."""
+    steps = []
+    for size in step_sizes(remaining, 1, global_batch_size):
+        parts = chunks_per_step(size, world, batch_size)
+        steps.append([share(size, parts, j)[1] for j in range(parts)])
+    return steps
 
 
 def micro_step_sizes(remaining: int, world: int, batch_size: int, global_batch_size: int) -> list[int]:
-    """Global sizes of the remaining micro-batch chunks: ``M`` per global step of ``global_batch_size``."""
-    parts = micro_batches(global_batch_size, world, batch_size)
-    return [share(size, parts, j)[1] for size in step_sizes(remaining, 1, global_batch_size) for j in range(parts)]
+    """Global sizes of the remaining micro-batch chunks, flattened over the steps of :func:`global_steps`."""
+    return [chunk for step in global_steps(remaining, world, batch_size, global_batch_size) for chunk in step]

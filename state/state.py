@@ -104,35 +104,33 @@ class State:
 
     # ------------------------------------------------------------ the step link
     def _relink(self) -> None:
-        """Link the sampler to the DistributedOptimizer when the state holds exactly one of each
-        (:mod:`state.step_link`); unlink when that no longer holds."""
+        """Link the state's DistributedOptimizer when it holds exactly one (step boundaries), with its sampler
+        when it holds exactly one ElasticSampler (:mod:`state.step_link`); unlink when that no longer holds."""
         values = [h.value for h in self._handlers.values()]
         optimizers = [v for v in values if is_distributed_optimizer(v)]
         samplers = [v for v in values if isinstance(v, ElasticSampler)]
         modules = [v for v in values if isinstance(v, torch.nn.Module)]
-        link = self._link
-        if len(optimizers) == 1 and len(samplers) == 1:
-            if link is not None and link.matches(optimizers[0], samplers[0], modules):
-                return
-            if link is not None:
-                link.close()
-            object.__setattr__(self, "_link", StepLink(optimizers[0], samplers[0], modules, self._boundary_commit))
-            return
-        if link is not None:
-            link.close()
-            object.__setattr__(self, "_link", None)
+        sampler = samplers[0] if len(samplers) == 1 else None
         wants_global = [s for s in samplers if s.global_batch_size is not None]
-        if wants_global:
+        if wants_global and (len(optimizers) != 1 or sampler is None):
             raise ValueError(
                 f"ElasticSampler(global_batch_size={wants_global[0].global_batch_size}) needs its State to hold "
                 f"exactly one DistributedOptimizer and one ElasticSampler (it holds {len(optimizers)} and "
                 f"{len(samplers)}): the optimizer accumulates the micro-batches of each global step"
             )
+        link = self._link
+        if link is not None and len(optimizers) == 1 and link.matches(optimizers[0], sampler, modules):
+            return
+        if link is not None:
+            link.close()
+            object.__setattr__(self, "_link", None)
+        if len(optimizers) == 1:
+            object.__setattr__(self, "_link", StepLink(optimizers[0], sampler, modules, self._boundary_commit))
 
     @property
     def step_linked(self) -> bool:
         """True when the sampler advances with the optimizer's apply (see :mod:`state.step_link`)."""
-        return self._link is not None
+        return self._link is not None and self._link.sampler is not None
 
     def _boundary_commit(self) -> None:
         """At a step boundary the ring agreed on (a driver notice waits): the commit's agreement, then
@@ -243,7 +241,7 @@ class State:
         """A collective failed: note whether this rank's live state is whole. The next :meth:`sync`
         decides, with every rank, whether the ring continues from a live state or rolls back."""
         if self._holds and self._trust == CONSISTENT:  # the first failure since the last sync tells
-            trust = failure_trust(self._link is not None, bool(getattr(exc, "live_state_consistent", False)),
+            trust = failure_trust(self.step_linked, bool(getattr(exc, "live_state_consistent", False)),
                                   bool(getattr(exc, "inside_apply", False)))
             object.__setattr__(self, "_trust", trust)
             if trust == DIRTY:

@@ -147,10 +147,10 @@ def train_loss_logged(config: dict):
 GB_N, GB_DIM, GB_G, GB_MICRO = 48, 5, 8, 2
 
 
-def gb_vectors() -> torch.Tensor:
+def gb_vectors(n: int = GB_N) -> torch.Tensor:
     """Integer-valued sample vectors of the global-batch job (its closed form is exact in float64)."""
     g = torch.Generator().manual_seed(3)
-    return torch.randint(-50, 50, (GB_N, GB_DIM), generator=g).to(torch.float64)
+    return torch.randint(-50, 50, (n, GB_DIM), generator=g).to(torch.float64)
 
 
 def gb_expected(epochs: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,9 @@ def test_samplers_reachable_from_the_loop_are_found_in_arguments_closures_and_gl
 
     assert retarget_reachable(loop, (None, as_argument), {}, 0, 2) == 3
     assert (closed.num_replicas, as_argument.num_replicas, _module_loader.sampler.num_replicas) == (2, 2, 2)
+    on_rank0 = DistributedSampler(DATA, num_replicas=1, rank=0)  # another split, on purpose
+    assert retarget_reachable(loop, (None, as_argument, on_rank0), {}, 1, 3, previous=(0, 2)) == 3
+    assert (closed.num_replicas, closed.rank, on_rank0.num_replicas) == (3, 1, 1)
 
 
 def _job(host, port, job):
@@ -47,6 +50,7 @@ def _job(host, port, job):
     first_rank = er.rank()
     sampler = DistributedSampler(DATA, num_replicas=er.size(), rank=er.rank(), shuffle=False)
     loader = DataLoader(DATA, batch_size=100, sampler=sampler)
+    on_rank0 = DistributedSampler(DATA, num_replicas=1, rank=0)  # built for another split on purpose
     state = ObjectState(rounds=0)
     seen = []
 
@@ -58,6 +62,7 @@ def _job(host, port, job):
             os.kill(os.getpid(), signal.SIGKILL)
         er.allreduce(torch.ones(1))  # the survivors notice the death here
         seen.append((er.size(), sorted(sum(covered, []))))
+        assert (on_rank0.num_replicas, on_rank0.rank) == (1, 0)
         return seen
 
     return loop(state)

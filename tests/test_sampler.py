@@ -175,10 +175,11 @@ def test_sampler_publishes_progress_for_logs_and_reports():
         (20, 3, 2, 10, 2, [5, 5, 5, 5], [[2, 2], [2, 2], [1, 1]]),   # G not divisible by W
         (10, 4, 4, 5, 1, [5, 5], [[2], [1], [1], [1]]),               # W * m > G
         (6, 4, 1, 3, 1, [3, 3], [[1], [1], [1], [0]]),                # G < W: a rank idles
-        (30, 2, 4, 12, 2, [6, 6, 9, 9], [[3, 3], [3, 3]]),            # tail folded into the last step
-        (5, 2, 4, 12, 2, [3, 2], [[2, 1], [1, 1]]),                   # the whole rest is less than G
-        (1, 2, 4, 12, 2, [1, 0], [[1, 0], [0, 0]]),
-        (17, 1, 2, 7, 4, [2, 2, 2, 1, 3, 3, 2, 2], [[2, 2, 2, 1]]),
+        (30, 2, 4, 12, 2, [6, 6, 6, 6, 6], [[3, 3], [3, 3]]),         # tail folded: the last step has 3 passes
+        (5, 2, 4, 12, 2, [5], [[3], [2]]),                            # the whole rest is less than G: one pass
+        (1, 2, 4, 12, 2, [1], [[1], [0]]),                            # fewer samples than ranks: a rank idles
+        (17, 1, 2, 7, 4, [2, 2, 2, 1, 2, 2, 2, 2, 2], [[2, 2, 2, 1]]),
+        (64, 3, 1, 64, 21, [4] + [3] * 20, [[2] + [1] * 20, [1] * 21, [1] * 21]),  # batch 1: no empty pass
         (0, 3, 2, 8, 2, [], None),
     ],
 )
@@ -196,27 +197,28 @@ def test_global_steps_cover_their_positions_with_weights_summing_to_one(remainin
     samplers = [ElasticSampler(remaining, batch_size=batch, shuffle=False, global_batch_size=g) for _ in range(world)]
     for rank, s in enumerate(samplers):
         s.reset(rank, world)
-    m = samplers[0].batches_per_step
     batches = [list(s) for s in samplers]
     assert len({len(b) for b in batches}) == 1, "every rank has the same number of micro-batches"
-    steps, start = len(batches[0]) // m, 0
-    assert len(batches[0]) == steps * m
-    for k in range(steps):
-        step = [(r, j, batches[r][k * m + j]) for r in range(world) for j in range(m)]
+    position, start = 0, 0
+    while position < len(batches[0]):
+        m = samplers[0].batches_per_step
+        assert {s.batches_per_step for s in samplers} == {m}, "every rank runs the same passes in a step"
+        step = [(r, j, batches[r][position + j]) for r in range(world) for j in range(m)]
         size = sum(len(b) for _, _, b in step)
         assert sorted(i for _, _, b in step for i in b) == list(range(start, start + size))
-        assert size == g or k == steps - 1
+        assert size == g or position + m == len(batches[0]), "only the epoch's last step differs from G"
         weights = Fraction(0)
         for r, j, b in step:
             assert samplers[r].pass_share(j) == (len(b), size)
             weights += Fraction(len(b), size)
         assert weights == 1
-        if size == g:  # a regular step: at most batch per pass, passes differ by at most one sample
-            counts = [len(b) for _, _, b in step]
-            assert max(counts) <= batch and max(counts) - min(counts) <= 1
+        counts = [len(b) for _, _, b in step]
+        assert max(counts) <= batch or (batch == 1 and max(counts) == 2), "a pass holds at most batch_size"
+        if size >= world:
+            assert min(counts) >= 1, "no pass is empty on any rank"
         for s in samplers:
             s._advance(m)
-        start += size
+        position, start = position + m, start + size
     assert start == remaining
 
 

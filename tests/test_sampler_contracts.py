@@ -72,20 +72,24 @@ def test_as_batch_sampler_it_loads_every_sample_once_and_checks_only_at_iteratio
 def test_linked_mode_the_optimizer_advances_and_record_batch_only_acknowledges():
     s = ElasticSampler(20, batch_size=2, seed=0)
     s._link()
-    batches = iter(s)
-    next(batches)
     s.record_batch()                    # before optimizer.step(): nothing moves
     assert (s.processed, s.step, s._consumed, s.steps_recorded) == (0, 0, 0, 0)
-    s._advance(1)                       # the optimizer's apply
+    s._advance(1)                       # the optimizer's apply consumes the acknowledged batch
     assert (s.processed, s.step, s._consumed, s.steps_recorded) == (2, 1, 1, 1)
-    next(batches), next(batches)
-    s._advance(2)                       # backward_passes_per_step=2: two batches, one step
-    s.record_batch()                    # after optimizer.step(): still right
+    s._advance(1)                       # a loop that records after step(): no acknowledgment yet, one pass
+    assert (s.processed, s.step, s._consumed) == (4, 2, 2)
+    s.record_batch()                    # ... its record comes after the apply
+    s._advance(1)                       # one acknowledgment since the previous step: one batch
+    assert (s.processed, s.step, s._consumed) == (6, 3, 3)
     s.record_batch()
-    assert (s.processed, s.step, s._consumed) == (6, 2, 3)
+    s.record_batch()                    # a batch skipped without a step (a non-finite loss, say)
+    s._advance(1)                       # consumes both: the skipped batch is not trained again after a failure
+    assert (s.processed, s.step, s._consumed) == (10, 4, 5)
+    s._advance(2)                       # backward_passes_per_step=2, nothing acknowledged: two batches
+    assert (s.processed, s.step, s._consumed) == (14, 5, 7)
     s._advance(100)                     # capped at the partition's end, never raising
-    assert (s.processed, s.step, s._consumed, len(s)) == (20, 3, 10, 10)
-    for _ in range(7):
+    assert (s.processed, s.step, s._consumed, len(s)) == (20, 6, 10, 10)
+    while s._acks < 10:
         s.record_batch()
     with pytest.raises(RuntimeError, match="record_batch\\(\\) called 11 times.*set_epoch"):
         s.record_batch()
@@ -95,7 +99,19 @@ def test_linked_mode_the_optimizer_advances_and_record_batch_only_acknowledges()
     s._link(False)
     s.set_epoch(1)
     s.record_batch()
-    assert (s.processed, s.step) == (2, 4)
+    assert (s.processed, s.step) == (2, 7)
+
+
+def test_a_new_epoch_settles_a_step_that_was_reduced_and_skipped_first():
+    s = ElasticSampler(8, batch_size=2, seed=0)
+    s._link()
+    settled = []
+    s._before_new_epoch = lambda: (settled.append(s.epoch), s._advance(1))
+    s._advance(3)
+    s.set_epoch(0)                      # the current epoch: nothing to settle
+    assert settled == []
+    s.set_epoch(1)                      # the skip is counted in epoch 0, before epoch 1 starts
+    assert settled == [0] and (s.epoch, s.processed, s.step) == (1, 0, 2)
 
 
 def test_global_batch_options_state_and_errors():
@@ -104,16 +120,18 @@ def test_global_batch_options_state_and_errors():
             ElasticSampler(10, batch_size=2, global_batch_size=bad)
     s = ElasticSampler(30, batch_size=2, global_batch_size=12)
     s.reset(1, 2)
-    assert (s.batches_per_step, len(s), s.global_batch_size) == (3, 6, 12)
+    assert (s.batches_per_step, len(s), s.global_batch_size) == (3, 8, 12)   # chunks 4 4 4 | 4 4 4 3 3
     assert ElasticSampler(30, batch_size=2).batches_per_step == 1
     assert s.pass_share(0) == (2, 12)
     with pytest.raises(ValueError, match="pass_share j=3 must be an int >= 0 and <= 2"):
         s.pass_share(3)
-    for _ in range(5):                  # unlinked: every record is a micro-batch, every third one a step
+    for _ in range(5):                  # unlinked: every record is a micro-batch; the first step has 3
         s.record_batch()
-    assert (s.processed, s.step) == (24, 1)     # chunks 4 4 4 | 6 6 6
-    assert s.pass_share(2) == (3, 18)   # the second step holds the folded tail
-    s.record_batch()
+    assert (s.processed, s.step) == (20, 1)
+    assert s.batches_per_step == 5      # the second step holds the folded tail: 5 passes of at most 2 per rank
+    assert s.pass_share(2) == (2, 18) and s.pass_share(4) == (1, 18)
+    for _ in range(3):
+        s.record_batch()
     assert s.step == 2
     with pytest.raises(RuntimeError, match="no step left"):
         s.pass_share(0)

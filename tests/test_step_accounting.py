@@ -78,3 +78,101 @@ def test_accumulate_mode_applies_once_per_step_and_weights_passes(ring):
     w0 = _model_and_opt()[0].weight.detach()
     assert torch.allclose(plain[0][1] - w0, 2 * (weighted[0][1] - w0), rtol=0, atol=1e-6)
     assert torch.equal(weighted[0][1], weighted[1][1]) and torch.equal(plain[0][1], plain[1][1])
+
+
+def _boundary_that_returns(asking):
+    model, opt = _model_and_opt()
+    if asking:
+        opt.set_step_boundary(lambda: opt.applied_steps == 1, lambda: None)  # acts, and lets the step go on
+    for _ in range(3):
+        opt.zero_grad()
+        _backward(model)
+        opt.step()
+    return model.weight.detach().clone(), model.bias.detach().clone()
+
+
+def test_a_boundary_that_returns_keeps_the_steps_gradients(ring):
+    plain, with_boundary = ring.run(_boundary_that_returns, False, world_size=2), ring.run(
+        _boundary_that_returns, True, world_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], with_boundary[0]))
+
+
+def _skip_at_the_epoch_end():
+    from state import ElasticSampler, TorchState
+
+    model, opt = _model_and_opt()
+    sampler = ElasticSampler(12, batch_size=2, shuffle=False)
+    state = TorchState(model=model, optimizer=opt, sampler=sampler)
+    state.sync()
+    positions = []
+    for epoch in range(2):
+        batches = list(state.sampler)
+        for i, _ in enumerate(batches):
+            opt.zero_grad()
+            _backward(model)
+            if epoch == 0 and i == len(batches) - 1:
+                opt.synchronize()   # GradScaler on an overflow: reduced, then the apply is skipped
+            else:
+                opt.step()
+            state.sampler.record_batch()
+            if epoch == 1 and i == 0:
+                positions.append((state.sampler.epoch, state.sampler.processed))
+        positions.append((state.sampler.epoch, state.sampler.processed))
+        state.sampler.set_epoch(epoch + 1)
+        positions.append((state.sampler.epoch, state.sampler.processed))
+    return positions, opt.applied_steps
+
+
+def test_a_step_skipped_at_an_epochs_end_is_counted_in_that_epoch(ring):
+    # world 2, 12 samples of batch 2: 3 steps per epoch. The skipped last step of epoch 0 is still pending at the
+    # epoch's end (8 of 12), is counted in epoch 0 when set_epoch(1) starts the next, and epoch 1's first step
+    # then covers its own 4 samples only (not 8, as when the skip was noticed at epoch 1's first gradient)
+    assert ring.run(_skip_at_the_epoch_end, world_size=2) == [([(0, 8), (1, 0), (1, 4), (1, 12), (2, 0)], 5)] * 2
+
+
+def _accumulate_with_clipping(clip):
+    from state import ElasticSampler, TorchState
+
+    model, opt = _model_and_opt()
+    sampler = ElasticSampler(24, batch_size=2, global_batch_size=8, shuffle=False)
+    state = TorchState(model=model, optimizer=opt, sampler=sampler)
+    state.sync()
+    early = None
+    for batch in state.sampler:
+        opt.zero_grad()
+        model(torch.ones(len(batch), 4) * (batch[0] + 1)).sum().backward()
+        if clip and not opt.step_applies_next and early is None:
+            try:
+                opt.synchronize()
+            except RuntimeError as exc:
+                early = str(exc)
+        if clip and opt.step_applies_next:  # Horovod's clipping pattern, gated on the step that applies
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        state.sampler.record_batch()
+    return model.weight.detach().clone(), opt.applied_steps, early
+
+
+def test_clipping_with_a_global_batch_is_gated_on_the_applying_step(ring):
+    plain = ring.run(_accumulate_with_clipping, False, world_size=2)
+    clipped = ring.run(_accumulate_with_clipping, True, world_size=2)
+    assert [p[1] for p in plain] == [p[1] for p in clipped] == [3, 3]  # 24 samples, 8 per step
+    assert torch.equal(plain[0][0], clipped[0][0]) and torch.equal(clipped[0][0], clipped[1][0])
+    assert "step_applies_next" in clipped[0][2], clipped[0][2]
+
+
+def test_one_state_per_optimizer():
+    from state import ElasticSampler, TorchState
+
+    model, opt = _model_and_opt()
+    TorchState(model=model, optimizer=opt, sampler=ElasticSampler(10, batch_size=2))
+    try:
+        TorchState(model=model, optimizer=opt)
+    except ValueError as exc:
+        assert "another State" in str(exc)
+    else:
+        raise AssertionError("a second State over the same optimizer must be refused")

@@ -75,3 +75,26 @@ def _alone():
 
 def test_a_ring_of_one_acts_on_its_own_notice(ring):
     assert ring.run(_alone, world_size=1) == [4]
+
+
+def _no_sampler():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    state = TorchState(model=model, optimizer=opt, seen=0)   # streaming data: no ElasticSampler
+    state.sync()
+    assert not state.step_linked  # failures fall back to the old rule, but boundaries work
+    for step in range(10):
+        if er.rank() == 0 and step == 2:
+            request_membership_change()
+        opt.zero_grad()
+        try:
+            model(torch.randn(2, 3)).sum().backward()
+            opt.step()
+        except er.MembershipChanged:
+            return opt.applied_steps
+    return None
+
+
+def test_a_join_acts_at_the_next_step_without_a_sampler(ring):
+    assert ring.run(_no_sampler, world_size=2) == [3, 3]
