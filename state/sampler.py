@@ -37,22 +37,24 @@ Horovod's examples do); epochs only move forward.
 
 *Linked mode.* When :class:`state.State` holds the sampler and a
 ``DistributedOptimizer``, it links them: every optimizer step advances the
-sampler by the batches it consumed (``_advance``), atomically with the
-optimizer's apply, and ``record_batch()`` only acknowledges a batch (before or
-after ``optimizer.step()``, both stay right).
+sampler (``_advance``), atomically with the optimizer's apply, by the batches
+the loop acknowledged with ``record_batch()`` since the previous step (or by
+the step's backward passes before any acknowledgment), so ``record_batch()``
+may sit before or after ``optimizer.step()`` (see :mod:`state.step_link`).
 
 *Constant global batch.* ``ElasticSampler(dataset, batch_size=m,
 global_batch_size=G)`` makes every optimizer step process exactly ``G``
 samples whatever the world size ``W``: each rank runs ``M = ceil(G / (W * m))``
 micro-batches per step (``batches_per_step``, the same on every rank,
-recomputed at every resize), each of at most ``m`` samples, one backward pass
-each. An epoch tail smaller than ``G`` is folded into the last step (the whole
-rest is one step if it is smaller than ``G``). Splits can be uneven: a
-micro-batch's ranks differ by at most one sample and can be empty;
-``pass_share(j)`` gives ``(n_rj, S)``, this rank's samples in micro-batch ``j``
-and the step's total, so the optimizer weighs every sample by exactly ``1/S``.
-This needs the user's loss to be a mean over the micro-batch (PyTorch's
-default ``reduction="mean"``).
+recomputed at every resize), one backward pass each, of at most ``m`` samples.
+An epoch tail smaller than ``G`` is folded into the last step, which then has
+more passes (the whole rest is one step if it is smaller than ``G``). Splits
+can be uneven; no pass is empty on any rank unless a step has fewer samples
+than ranks (with ``m = 1`` a pass may then hold 2). ``pass_share(j)`` gives
+``(n_rj, S)``, this rank's samples in micro-batch ``j`` and the step's total, so
+the optimizer weighs every sample by exactly ``1/S``. This needs the user's
+loss to be a mean over the micro-batch (PyTorch's default
+``reduction="mean"``).
 """
 
 from __future__ import annotations
