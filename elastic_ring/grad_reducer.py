@@ -95,6 +95,8 @@ class GradReducer:
         #: Called after every consumed step as ``fn(passes, applied)``: applied by ``step()``, or reduced
         #: and then skipped (e.g. GradScaler on overflow: noticed when the next step begins).
         self.step_listeners: list = []
+        #: Called with no arguments whenever a step's reduction completed (before it is applied or skipped).
+        self.reduced_listeners: list = []
         #: ``ask() -> bool``: this rank has something to do at the next step boundary; rides in the step's check
         #: (MAX over ranks), so every rank learns at the same step whether any rank asked.
         self.boundary_ask = None
@@ -273,6 +275,11 @@ class GradReducer:
                 for p in self._params:
                     p.grad = None
             raise
+
+    def _reduced(self) -> None:
+        self._synced_pending = True
+        for listener in list(self.reduced_listeners):
+            listener()
 
     def settle_skipped(self) -> None:
         """Count a step that was reduced and not applied as skipped now."""
@@ -456,7 +463,7 @@ class GradReducer:
         comm = runtime.current()
         if comm.size == 1:
             self._reset()
-            self._synced_pending = True
+            self._reduced()
             return
         waiter = self._verdict
         if waiter is not None:  # outside the lock: the helper takes it to launch what became ready
@@ -492,7 +499,7 @@ class GradReducer:
                 raise
             finally:
                 self._reset()
-            self._synced_pending = True
+            self._reduced()
             self._end_step()
 
     def _end_step(self) -> None:

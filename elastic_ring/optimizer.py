@@ -91,6 +91,15 @@ class _DistributedMixin:
     def remove_step_listener(self, listener: Callable[[int, bool], None]) -> None:
         self._er_reducer.step_listeners.remove(listener)
 
+    def add_reduced_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` whenever a step's reduction completes (before the step is applied or skipped)."""
+        if not callable(listener):
+            raise TypeError(f"reduced listener {listener!r} is not callable")
+        self._er_reducer.reduced_listeners.append(listener)
+
+    def remove_reduced_listener(self, listener: Callable[[], None]) -> None:
+        self._er_reducer.reduced_listeners.remove(listener)
+
     def set_step_boundary(self, ask: Callable[[], bool] | None, act: Callable[[], None] | None) -> None:
         """Act at step boundaries the ring agrees on. ``ask()`` is polled once per step; its answer rides in the
         step's check (MAX over ranks), so after a step in which any rank's ``ask()`` was true, every rank has a

@@ -125,6 +125,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._done = 0   # batches consumed since this re-partition
         self._acks = 0   # record_batch() calls since this re-partition (linked mode)
         self._acks_counted = 0  # acks already accounted for by an optimizer step (linked mode)
+        self._acks_at_reduce = 0  # acks when the last step's reduction completed (linked mode)
         remaining, g = self.num_samples - self._base, self.global_batch_size
         if g is None:
             self._sizes = step_sizes(remaining, world, self.batch_size)
@@ -207,22 +208,30 @@ class ElasticSampler(torch.utils.data.Sampler):
         """Enter (or leave) linked mode: the optimizer's steps advance the position (see ``_advance``)."""
         check_bool("ElasticSampler._link", "linked", linked)
         self._linked, self._acks, self._acks_counted = linked, self._done, self._done
+        self._acks_at_reduce = self._done
 
-    def _advance(self, passes: int) -> None:
+    def _note_reduced(self) -> None:
+        """A step's reduction completed: acknowledgments until now belong to it, even if it is skipped."""
+        self._acks_at_reduce = self._acks
+
+    def _advance(self, passes: int, skipped: bool = False) -> None:
         """An optimizer step of ``passes`` backward passes was consumed (applied, or reduced and skipped).
 
         With a global batch size it consumes the current global step. Otherwise it consumes the batches the loop
         acknowledged (``record_batch()``) since the previous step, when there are any: in steady state that is one
         step's batches whether the loop records before or after ``step()``, and it also counts batches the loop
         skipped without a step; with no acknowledgment yet (a loop that records after ``step()``, at a
-        partition's first step, or one that never records) it consumes ``passes`` batches."""
+        partition's first step, or one that never records) it consumes ``passes`` batches. A ``skipped`` step
+        (reduced, then not applied: noticed later, when the loop may already have acknowledged the skipped
+        batch itself) counts the acknowledgments made until its reduction completed."""
         check_int("ElasticSampler._advance", "passes", passes, minimum=0)
+        upto = min(self._acks_at_reduce, self._acks) if skipped else self._acks
         if self.global_batch_size is not None:
             batches = max(0, self._step_span()[1] - self._done)
         else:
-            window = self._acks - self._acks_counted
+            window = upto - self._acks_counted
             batches = window if window > 0 else passes
-        self._acks_counted = self._acks
+        self._acks_counted = max(self._acks_counted, upto)
         end = min(self._done + batches, len(self._sizes))
         self.processed += sum(self._sizes[self._done:end])
         self._done = end

@@ -70,6 +70,7 @@ class StepLink:
         self.optimizer, self.sampler = optimizer, sampler
         optimizer._er_step_link = self
         optimizer.add_step_listener(self._on_step)
+        optimizer.add_reduced_listener(self._on_reduced)
         optimizer.set_step_boundary(notice_waits, at_boundary)
         if sampler is not None:
             if sampler.global_batch_size is not None:
@@ -85,9 +86,13 @@ class StepLink:
     def matches(self, optimizer: Any, sampler: Any, modules: list[torch.nn.Module]) -> bool:
         return optimizer is self.optimizer and sampler is self.sampler and [id(m) for m in modules] == self._modules
 
+    def _on_reduced(self) -> None:
+        if self.sampler is not None:
+            self.sampler._note_reduced()
+
     def _on_step(self, passes: int, applied: bool) -> None:
         if self.sampler is not None:
-            self.sampler._advance(passes)
+            self.sampler._advance(passes, skipped=not applied)
             self.fit_ring()  # the next step may have another number of micro-batches (an epoch's folded tail)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -105,6 +110,7 @@ class StepLink:
     def close(self) -> None:
         optimizer = self.optimizer
         optimizer.remove_step_listener(self._on_step)
+        optimizer.remove_reduced_listener(self._on_reduced)
         optimizer.set_step_boundary(None, None)
         optimizer._er_reducer.boundary_due = False
         if self.sampler is not None:

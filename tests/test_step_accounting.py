@@ -176,3 +176,33 @@ def test_one_state_per_optimizer():
         assert "another State" in str(exc)
     else:
         raise AssertionError("a second State over the same optimizer must be refused")
+
+
+def _grad_scaler_overflow():
+    from state import ElasticSampler, TorchState
+
+    model, opt = _model_and_opt()
+    sampler = ElasticSampler(16, batch_size=2, shuffle=False)
+    state = TorchState(model=model, optimizer=opt, sampler=sampler)
+    state.sync()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    positions = []
+    for i, batch in enumerate(state.sampler):
+        opt.zero_grad()
+        loss = model(torch.ones(len(batch), 4)).sum() * (float("inf") if i == 1 else 1.0)
+        scaler.scale(loss).backward()
+        opt.synchronize()                    # Horovod's AMP pattern
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)                 # skips optimizer.step() on the overflow at i == 1
+        scaler.update()
+        state.sampler.record_batch()
+        positions.append(state.sampler.processed)
+    return positions, opt.applied_steps, state.sampler.step, scaler.get_scale()
+
+
+def test_a_real_grad_scaler_overflow_is_a_consumed_step(ring):
+    # 16 samples, batch 2, 2 ranks: 4 steps; the overflow at step 2 is skipped by GradScaler and counted when
+    # step 3's first gradient arrives, so no batch is trained twice or lost after a recovery
+    results = ring.run(_grad_scaler_overflow, world_size=2)
+    assert results == [([4, 4, 12, 16], 3, 4, 2.0 ** 7)] * 2, results
