@@ -13,7 +13,7 @@ This package knows nothing of Ray or of training state. It offers:
 """
 
 from . import shadowing  # binds er.shadowing also when state/ or ray_integration/ loaded it from its file first
-from . import auth, elastic, progress, timeline
+from . import allocator, auth, elastic, progress, timeline
 from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
     agree_max,

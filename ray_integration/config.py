@@ -58,6 +58,7 @@ class TrainerConfig:
     runtime_env: dict[str, Any] | None = None
     progress: bool | None = None
     timeline_path: str | None = None
+    tune_allocator: bool = True
 
     def __post_init__(self) -> None:
         check_int(_OWNER, "min_workers", self.min_workers, minimum=1)
@@ -87,6 +88,9 @@ class TrainerConfig:
                     f"ElasticTrainer resources_per_worker has {reserved!r}; use cpus_per_worker / gpus_per_worker instead"
                 )
         self._check_checkpoints()
+        if not isinstance(self.tune_allocator, bool):
+            raise ValueError(f"ElasticTrainer tune_allocator={self.tune_allocator!r} must be True or False (False keeps "
+                             "glibc's allocator defaults in the worker processes)")
         check_int(_OWNER, "max_failures", self.max_failures, minimum=0)
         for name in ("failure_window_s", "start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
                      "heartbeat_timeout_s", "collective_timeout_s", "stop_timeout_s"):

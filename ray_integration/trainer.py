@@ -170,7 +170,8 @@ class ElasticTrainer:
             wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
             settings = {"driver_silence_s": self.config.driver_silence_s,
                         "flush_timeout_s": self.config.stop_timeout_s, "checkpoint": self._checkpoint_config(keys.job),
-                        "use_gpu": self.config.use_gpu, "timeline": timeline is not None}
+                        "use_gpu": self.config.use_gpu, "timeline": timeline is not None,
+                        "tune_allocator": self.config.tune_allocator}
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
             pool.receive = receive  # its forged-message count names tampering in the driver's errors
             driver = Driver(self.config, pool, host, events, wakeups)

@@ -152,6 +152,8 @@ class RingWorker:
         state_pkg.set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, "checkpoint",
                                                                         event=event))
         self._flush_timeout_s = settings["flush_timeout_s"]
+        if settings.get("tune_allocator"):
+            er.allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
         er.progress.clear()
         if settings.get("timeline"):
             er.timeline.enable()
