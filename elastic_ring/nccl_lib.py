@@ -145,6 +145,9 @@ def _open() -> tuple[ctypes.CDLL, str]:
 
 _c_void_p, _c_int, _c_size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 
+#: ncclCommShrink / ncclCommRevoke flags (nccl.h).
+SHRINK_DEFAULT, SHRINK_ABORT, REVOKE_DEFAULT = 0x00, 0x01, 0x00
+
 
 class NcclLibrary:
     """The typed functions of one loaded libnccl. Return codes are ``ncclResult_t`` ints."""
@@ -165,6 +168,17 @@ class NcclLibrary:
         "ncclAllGather": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_void_p, _c_void_p]),
     }
 
+    #: Re-forming without a full init, where the loaded NCCL has it: shrink (2.27), revoke (2.28), grow and a
+    #: per-communicator unique id (2.29). Bound when present (:meth:`has`); nothing uses them by default yet.
+    _OPTIONAL_SIGNATURES: dict[str, tuple[object, list]] = {
+        "ncclCommShrink": (_c_int, [_c_void_p, ctypes.POINTER(_c_int), _c_int, ctypes.POINTER(_c_void_p),
+                                    ctypes.POINTER(Config), _c_int]),
+        "ncclCommRevoke": (_c_int, [_c_void_p, _c_int]),
+        "ncclCommGetUniqueId": (_c_int, [_c_void_p, ctypes.POINTER(UniqueId)]),
+        "ncclCommGrow": (_c_int, [_c_void_p, _c_int, ctypes.POINTER(UniqueId), _c_int, ctypes.POINTER(_c_void_p),
+                                  ctypes.POINTER(Config)]),
+    }
+
     def __init__(self, cdll: ctypes.CDLL, path: str) -> None:
         self.path = path
         for name, (restype, argtypes) in self._SIGNATURES.items():
@@ -174,6 +188,61 @@ class NcclLibrary:
                 raise NcclUnavailable(f"{path} has no {name}: it is not a usable NCCL (need >= 2.25)") from None
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, "_" + name, fn)
+        self._optional: set[str] = set()
+        for name, (restype, argtypes) in self._OPTIONAL_SIGNATURES.items():
+            fn = getattr(cdll, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, argtypes
+                setattr(self, "_" + name, fn)
+                self._optional.add(name)
+
+    def has(self, name: str) -> bool:
+        """Whether the loaded NCCL has the optional function ``name`` (e.g. ``"ncclCommShrink"``)."""
+        if name not in self._OPTIONAL_SIGNATURES:
+            raise ValueError(f"{name!r} is not an optional NCCL function; known: {sorted(self._OPTIONAL_SIGNATURES)}")
+        return name in self._optional
+
+    def _need(self, name: str) -> None:
+        if name not in self._optional:
+            raise NcclUnavailable(f"{self.path} has no {name} (NCCL {self.version()}); re-form with a full init")
+
+    def shrink_nonblocking(self, comm: int, exclude_ranks: list[int], abort: bool) -> tuple[int | None, int]:
+        """Start shrinking ``comm`` without ``exclude_ranks`` (``abort``: end its in-flight work first,
+        NCCL_SHRINK_ABORT): ``(new handle or None, status)``, non-blocking as :meth:`init_rank_nonblocking`."""
+        self._need("ncclCommShrink")
+        ranks = (_c_int * max(1, len(exclude_ranks)))(*exclude_ranks)
+        new, config = _c_void_p(), nonblocking_config()
+        status = self._ncclCommShrink(comm, ranks, len(exclude_ranks), ctypes.byref(new), ctypes.byref(config),
+                                      SHRINK_ABORT if abort else SHRINK_DEFAULT)
+        return new.value, status
+
+    def revoke(self, comm: int) -> int:
+        """Stop ``comm``'s in-flight operations (NCCL_REVOKE_DEFAULT); poll :meth:`async_error` for quiescence."""
+        self._need("ncclCommRevoke")
+        return self._ncclCommRevoke(comm, REVOKE_DEFAULT)
+
+    def comm_unique_id(self, comm: int) -> bytes:
+        """A unique id for growing ``comm`` (used once, by :meth:`grow_nonblocking`)."""
+        self._need("ncclCommGetUniqueId")
+        uid = UniqueId()
+        self._ok("ncclCommGetUniqueId", self._ncclCommGetUniqueId(comm, ctypes.byref(uid)))
+        return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
+
+    def grow_nonblocking(self, comm: int | None, world_size: int, unique_id: bytes | None,
+                         rank: int) -> tuple[int | None, int]:
+        """Start growing to ``world_size`` ranks: a member passes its ``comm``, ``rank=-1`` and the id only on the
+        root; a new rank passes ``comm=None``, the id and its rank. ``(new handle or None, status)``."""
+        self._need("ncclCommGrow")
+        uid_ptr = None
+        if unique_id is not None:
+            if len(unique_id) != UNIQUE_ID_BYTES:
+                raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+            uid = UniqueId()
+            ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
+            uid_ptr = ctypes.byref(uid)
+        new, config = _c_void_p(), nonblocking_config()
+        status = self._ncclCommGrow(comm, world_size, uid_ptr, rank, ctypes.byref(new), ctypes.byref(config))
+        return new.value, status
 
     def version(self) -> int:
         value = _c_int()

@@ -110,6 +110,78 @@ def test_binding_matches_the_installed_nccl_header(tmp_path):
     assert (uid_bytes, undef, result_size) == (nccl_lib.UNIQUE_ID_BYTES, nccl_lib.CONFIG_UNDEF_INT, 4)
 
 
+#: The C prototype (argument types) of every function the binding declares, as nccl.h spells them.
+PROTOTYPES = {
+    "ncclGetVersion": ["int*"],
+    "ncclGetUniqueId": ["ncclUniqueId*"],
+    "ncclGetErrorString": ["ncclResult_t"],
+    "ncclGetLastError": ["ncclComm_t"],
+    "ncclCommInitRankConfig": ["ncclComm_t*", "int", "ncclUniqueId", "int", "ncclConfig_t*"],
+    "ncclCommGetAsyncError": ["ncclComm_t", "ncclResult_t*"],
+    "ncclCommFinalize": ["ncclComm_t"],
+    "ncclCommDestroy": ["ncclComm_t"],
+    "ncclCommAbort": ["ncclComm_t"],
+    "ncclAllReduce": ["const void*", "void*", "size_t", "ncclDataType_t", "ncclRedOp_t", "ncclComm_t", "cudaStream_t"],
+    "ncclBroadcast": ["const void*", "void*", "size_t", "ncclDataType_t", "int", "ncclComm_t", "cudaStream_t"],
+    "ncclAllGather": ["const void*", "void*", "size_t", "ncclDataType_t", "ncclComm_t", "cudaStream_t"],
+    "ncclCommShrink": ["ncclComm_t", "int*", "int", "ncclComm_t*", "ncclConfig_t*", "int"],
+    "ncclCommRevoke": ["ncclComm_t", "int"],
+    "ncclCommGetUniqueId": ["ncclComm_t", "ncclUniqueId*"],
+    "ncclCommGrow": ["ncclComm_t", "int", "const ncclUniqueId*", "int", "ncclComm_t*", "ncclConfig_t*"],
+}
+
+#: Which ctypes type stands for each C type in the binding.
+CTYPES_FOR = {
+    "int": ctypes.c_int, "ncclResult_t": ctypes.c_int, "ncclDataType_t": ctypes.c_int, "ncclRedOp_t": ctypes.c_int,
+    "size_t": ctypes.c_size_t, "ncclComm_t": ctypes.c_void_p, "cudaStream_t": ctypes.c_void_p,
+    "void*": ctypes.c_void_p, "const void*": ctypes.c_void_p, "int*": ctypes.POINTER(ctypes.c_int),
+    "ncclResult_t*": ctypes.POINTER(ctypes.c_int), "ncclComm_t*": ctypes.POINTER(ctypes.c_void_p),
+    "ncclUniqueId": nccl_lib.UniqueId, "ncclUniqueId*": ctypes.POINTER(nccl_lib.UniqueId),
+    "const ncclUniqueId*": ctypes.POINTER(nccl_lib.UniqueId), "ncclConfig_t*": ctypes.POINTER(nccl_lib.Config),
+}
+
+
+def test_every_bound_function_has_the_arguments_of_its_nccl_h_prototype():
+    """The ctypes argtypes of every binding (the optional shrink / revoke / grow too) follow PROTOTYPES, which
+    the next test compiles against the real header."""
+    bound = {**nccl_lib.NcclLibrary._SIGNATURES, **nccl_lib.NcclLibrary._OPTIONAL_SIGNATURES}
+    assert set(bound) == set(PROTOTYPES)
+    for name, (_, argtypes) in bound.items():
+        assert list(argtypes) == [CTYPES_FOR[c] for c in PROTOTYPES[name]], name
+
+
+def test_prototypes_match_the_installed_nccl_header(tmp_path):
+    """Assigns each function of nccl.h to a pointer of the PROTOTYPES type; gcc refuses any mismatch."""
+    include = next((pathlib.Path(p) / "include" for p in _nccl_package_dirs()
+                    if (pathlib.Path(p) / "include" / "nccl.h").exists()), None)
+    if include is None or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and the nvidia-nccl-cu12 wheel's nccl.h (pip install nvidia-nccl-cu12)")
+    (tmp_path / "cuda_runtime.h").write_text("#define CUDART_VERSION 12000\ntypedef struct CUstream_st* cudaStream_t;\n"
+                                             "typedef struct CUevent_st* cudaEvent_t;\n")
+    (tmp_path / "cuda_fp16.h").write_text("")
+    (tmp_path / "cuda_bf16.h").write_text("")
+    returns = {"ncclGetErrorString": "const char*", "ncclGetLastError": "const char*"}
+    lines = [f"{returns.get(name, 'ncclResult_t')} (*p_{name})({', '.join(args)}) = {name};"
+             for name, args in PROTOTYPES.items()]
+    (tmp_path / "sig.c").write_text('#include <stddef.h>\n#include "nccl.h"\n' + "\n".join(lines) + "\nint main(void) { return 0; }\n")
+    done = subprocess.run(["gcc", "-Werror=incompatible-pointer-types", "-Werror=discarded-qualifiers", "-c",
+                           f"-I{tmp_path}", f"-I{include}", str(tmp_path / "sig.c"), "-o", str(tmp_path / "sig.o")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_optional_functions_are_bound_when_the_library_has_them():
+    try:
+        lib = nccl_lib.load()
+    except nccl_lib.NcclUnavailable as exc:
+        pytest.skip(f"no libnccl here: {exc}")
+    names = sorted(nccl_lib.NcclLibrary._OPTIONAL_SIGNATURES)
+    if lib.version() >= 22900:  # shrink (2.27), revoke (2.28), grow and per-communicator ids (2.29)
+        assert [lib.has(n) for n in names] == [True] * len(names)
+    with pytest.raises(ValueError, match="not an optional NCCL function"):
+        lib.has("ncclAllReduce")
+
+
 def _nccl_package_dirs():
     import importlib.util
 
