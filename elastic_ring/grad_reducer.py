@@ -210,27 +210,26 @@ class GradReducer:
                              f"op={self._op.value}")
         self.pass_scale = share
         if share is not None and not self._pre_hooks:
-            self._pre_hooks = [p.register_hook(self._pre_hook(i)) for i, p in enumerate(self._params)]
+            self._pre_hooks = [p.register_hook(self._scale_pass) for p in self._params]
         self._pass_factors = {}
 
-    def _pre_hook(self, i: int):
-        def scale_pass(grad: torch.Tensor) -> torch.Tensor | None:
-            scale = self.pass_scale
-            if scale is None:
-                return None
-            if self._synced_pending:  # a skipped step is consumed before this step's weights are read
-                self._skipped_if_pending()
-            j = self.micro_calls  # accumulate mode: step() follows every pass
-            factor = self._pass_factors.get(j)
-            if factor is None:  # once per pass and step, not per parameter
-                n, total = scale(j)
-                comm = runtime.current_or_none()
-                world = comm.size if comm is not None and self._op is ReduceOp.AVERAGE else 1
-                factor = self._pass_factors[j] = (n * world) / total  # one rounding: exact when representable
-            if factor == 1.0:
-                return None
-            return torch.zeros_like(grad) if factor == 0.0 else grad * factor
-        return scale_pass
+    def _scale_pass(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's pre-accumulation hook: weight this backward pass's gradient by its share."""
+        scale = self.pass_scale
+        if scale is None:
+            return None
+        if self._synced_pending:  # a skipped step is consumed before this step's weights are read
+            self._skipped_if_pending()
+        j = self.micro_calls  # accumulate mode: step() follows every pass
+        factor = self._pass_factors.get(j)
+        if factor is None:  # once per pass and step, not per parameter
+            n, total = scale(j)
+            comm = runtime.current_or_none()
+            world = comm.size if comm is not None and self._op is ReduceOp.AVERAGE else 1
+            factor = self._pass_factors[j] = (n * world) / total  # one rounding: exact when representable
+        if factor == 1.0:
+            return None
+        return torch.zeros_like(grad) if factor == 0.0 else grad * factor
 
     def note_applied(self) -> None:
         """``step()`` applied the reduced gradients: count the step and tell the listeners."""

@@ -104,6 +104,15 @@ class Starting(DriverState):
         if d.stop_reason is not None:
             d.pool.stop_waiting("the job stopped before it trained")
             return Stopped(d.stop_reason, note="nothing had trained yet")
+        early = [r for r in d.pool.records.values() if r.finished and not r.in_ring and r.user_error is None]
+        if early:  # its fn returned without ever joining the ring: no ring can ever start with it
+            d.events.add("failed", d.round_id, d.world_size, reason="fn returned before joining the ring",
+                         worker=early[0].worker_id)
+            return Failed(RunFailed(
+                f"fn returned on worker {early[0].worker_id} before it joined the job's ring (it made no er.* call "
+                "and no collective), so the job can never start: ElasticTrainer runs fn as one worker of an elastic "
+                "ring; train inside @er.elastic.run (or call er.rank() first), or run a function that needs no ring "
+                "with Ray directly"))
         d.poll_drains()
         d.kill_silent([], failure_age_s=None)
         d.request_capacity()

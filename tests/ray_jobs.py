@@ -213,3 +213,8 @@ def allocator_probe(config: dict):
 
     churn()
     return {"applied": er.allocator.applied(), "faults": churn()}
+
+
+def returns_without_the_ring(config: dict):
+    """Returns at once, never touching the ring (no er.* call, no collective)."""
+    return {"nothing": "trained"}

@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from ray_integration import ElasticTrainer, RunFailed, WorkerError
+from tests import ray_jobs
 
 #: How long a start failure may take to surface: a worker process's start and its imports (a few
 #: seconds, more on a loaded 2-core machine), far less than start_timeout_s.
@@ -98,3 +99,11 @@ def test_worker_runtime_env_that_cannot_be_set_up(ray_session):
     assert elapsed < SURFACES_WITHIN_S, f"took {elapsed:.1f} s (start_timeout_s=20): {text}"
     assert isinstance(error, RunFailed) and "Ray could not set up its runtime_env" in text, text
     assert "conda" in text.lower().split("could not set up its runtime_env", 1)[1], text
+
+
+def test_fn_that_returns_without_joining_the_ring_fails_at_once_saying_so(ray_session):
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match=r"fn returned on worker .* before it joined the job's ring .*@er.elastic.run"):
+        ElasticTrainer(min_workers=1, max_workers=1, progress=False, start_timeout_s=60).run(
+            ray_jobs.returns_without_the_ring)
+    assert time.monotonic() - started < 30  # not start_timeout_s with a "waiting for resources" diagnosis
