@@ -269,10 +269,7 @@ class GradReducer:
             self.boundary_act()
         except BaseException:
             if in_step:
-                self._reset()
-                self.micro_calls = 0
-                for p in self._params:
-                    p.grad = None
+                self.discard_step()
             raise
 
     def _reduced(self) -> None:
@@ -526,11 +523,7 @@ class GradReducer:
 
     def _on_comm_error(self, exc: CommError) -> None:
         """Drop everything of this step; gradients become None, and the buckets are rebuilt next time."""
-        self._reset()
+        self.discard_step()
         self._layout = None
-        self._synced_pending = False
         self._boundary_seen = False
-        self.micro_calls = 0
-        for p in self._params:
-            p.grad = None
         setattr(exc, "live_state_consistent", True)

@@ -141,9 +141,7 @@ class State:
             if not (changed or stop):
                 return
             if persist or stop:  # every rank agreed on the same flags: commit counts stay equal
-                self._save()
-                object.__setattr__(self, "_commits", self._commits + 1)
-                object.__setattr__(self, "_commit_version", self.version)
+                self._take_commit()
             self._act_on_notices(persist, stop)
 
     @property
@@ -177,11 +175,15 @@ class State:
     def commit(self) -> None:
         """Snapshot the state, persist it if due, and check for a membership change."""
         with er.timeline.span("commit", "state", commit=self._commits + 1):
-            self._save()
-            object.__setattr__(self, "_commits", self._commits + 1)
-            object.__setattr__(self, "_commit_version", self.version)
+            self._take_commit()
             self._maybe_persist()
             self.check_membership()
+
+    def _take_commit(self) -> None:
+        """Snapshot the state as the next commit (local)."""
+        self._save()
+        object.__setattr__(self, "_commits", self._commits + 1)
+        object.__setattr__(self, "_commit_version", self.version)
 
     def check_membership(self) -> None:
         """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
@@ -292,8 +294,6 @@ class State:
                 for name, handler in self._handlers.items():
                     handler.load_tree(tree[name])
             self._clear_grads()  # gradients are never state: a step in flight is redone from scratch
-            if self._link is not None:
-                self._link.fit_ring()
             status = statuses[root]
             version = {Mode.LIVE: status.version, Mode.ROLLBACK: status.commit_version, Mode.FRESH: 0}[decision.mode]
             for handler in self._handlers.values():  # every rank's optimizer now counts from the same step id
@@ -316,9 +316,7 @@ class State:
         for handler in self._handlers.values():
             sampler = handler.value
             if isinstance(sampler, ElasticSampler) and (sampler._rank, sampler._world) != (rank, world):
-                sampler.reset(rank, world)
-                if self._link is not None:
-                    self._link.fit_ring()
+                sampler.reset(rank, world)  # a linked sampler's re-partition sizes the optimizer's next step
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callbacks run after every re-forming of the ring (e.g. rescale the LR to the new size)."""
@@ -331,9 +329,7 @@ class State:
         """Called by the elastic loop after the ring is re-formed."""
         for handler in self._handlers.values():
             if isinstance(handler.value, ElasticSampler):
-                handler.value.reset()
-        if self._link is not None:
-            self._link.fit_ring()
+                handler.value.reset()  # a linked sampler's re-partition sizes the optimizer's next step
         for cb in self._reset_callbacks:
             cb()
 

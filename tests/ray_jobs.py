@@ -198,11 +198,15 @@ def train_global_batch(config: dict):
 
 
 def allocator_probe(config: dict):
-    """Whether the worker tuned glibc's allocator, and the minor page faults of 5 steps' worth of fresh
-    gradients (10 x 16 MiB, touched, freed together), after a warm-up."""
-    import resource
-
+    """Whether the worker tuned glibc's allocator, and :func:`gradient_churn_faults` in the worker."""
     er.rank()  # join the ring: the driver counts a worker as started when it asks for its first ring
+    return {"applied": er.allocator.applied(), "faults": gradient_churn_faults()}
+
+
+def gradient_churn_faults() -> int:
+    """Minor page faults of 5 steps' worth of fresh gradients (10 x 16 MiB, touched, freed together), after a
+    warm-up step."""
+    import resource
 
     def churn() -> int:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -212,7 +216,7 @@ def allocator_probe(config: dict):
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     churn()
-    return {"applied": er.allocator.applied(), "faults": churn()}
+    return churn()
 
 
 def returns_without_the_ring(config: dict):

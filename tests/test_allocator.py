@@ -1,5 +1,6 @@
 """elastic_ring.allocator: glibc keeps freed gradient-sized blocks, so a step's fresh gradients cost no page faults."""
 
+import pathlib
 import platform
 import subprocess
 import sys
@@ -11,24 +12,21 @@ from tests import ray_jobs
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 CHURN = """
-import resource, sys, torch
+import sys
 import elastic_ring as er
+from tests.ray_jobs import gradient_churn_faults
 tuned = er.allocator.tune() if sys.argv[1] == "1" else False
-def churn():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        grads = [torch.ones(4 * 2**20) for _ in range(10)]  # a step's fresh gradients: 10 x 16 MiB, touched
-        del grads
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-churn()
-print(tuned, churn())
+print(tuned, gradient_churn_faults())
 """
 
 
 def _churn(tune: bool) -> tuple[str, int]:
+    """In a fresh process (mallopt cannot be undone): tuned?, and the faults of a step's fresh gradients."""
     out = subprocess.run([sys.executable, "-c", CHURN, "1" if tune else "0"], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+                         timeout=120, check=True, cwd=ROOT).stdout.split()
     return out[0], int(out[1])
 
 

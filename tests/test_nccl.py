@@ -76,8 +76,9 @@ def test_config_struct_is_ncclconfig_v21700():
     assert config.netName is None
 
 
-def test_binding_matches_the_installed_nccl_header(tmp_path):
-    """Compiles a C program against the installed nccl.h (CUDA headers stubbed) and compares layouts."""
+@pytest.fixture
+def nccl_header(tmp_path):
+    """The installed nccl.h's folder, with the CUDA headers it includes stubbed in ``tmp_path``."""
     include = next((pathlib.Path(p) / "include" for p in _nccl_package_dirs()
                     if (pathlib.Path(p) / "include" / "nccl.h").exists()), None)
     if include is None or shutil.which("gcc") is None:
@@ -86,6 +87,12 @@ def test_binding_matches_the_installed_nccl_header(tmp_path):
                                              "typedef struct CUevent_st* cudaEvent_t;\n")
     (tmp_path / "cuda_fp16.h").write_text("")
     (tmp_path / "cuda_bf16.h").write_text("")
+    return include
+
+
+def test_binding_matches_the_installed_nccl_header(tmp_path, nccl_header):
+    """Compiles a C program against the installed nccl.h (CUDA headers stubbed) and compares layouts."""
+    include = nccl_header
     fields = [f for f, _ in nccl_lib.Config._fields_]
     enums = ["ncclSuccess", "ncclInProgress", "ncclInvalidUsage", "ncclRemoteError", "ncclInt8", "ncclUint8",
              "ncclInt32", "ncclUint32", "ncclInt64", "ncclUint64", "ncclFloat16", "ncclFloat32", "ncclFloat64",
@@ -150,16 +157,9 @@ def test_every_bound_function_has_the_arguments_of_its_nccl_h_prototype():
         assert list(argtypes) == [CTYPES_FOR[c] for c in PROTOTYPES[name]], name
 
 
-def test_prototypes_match_the_installed_nccl_header(tmp_path):
+def test_prototypes_match_the_installed_nccl_header(tmp_path, nccl_header):
     """Assigns each function of nccl.h to a pointer of the PROTOTYPES type; gcc refuses any mismatch."""
-    include = next((pathlib.Path(p) / "include" for p in _nccl_package_dirs()
-                    if (pathlib.Path(p) / "include" / "nccl.h").exists()), None)
-    if include is None or shutil.which("gcc") is None:
-        pytest.skip("needs gcc and the nvidia-nccl-cu12 wheel's nccl.h (pip install nvidia-nccl-cu12)")
-    (tmp_path / "cuda_runtime.h").write_text("#define CUDART_VERSION 12000\ntypedef struct CUstream_st* cudaStream_t;\n"
-                                             "typedef struct CUevent_st* cudaEvent_t;\n")
-    (tmp_path / "cuda_fp16.h").write_text("")
-    (tmp_path / "cuda_bf16.h").write_text("")
+    include = nccl_header
     returns = {"ncclGetErrorString": "const char*", "ncclGetLastError": "const char*"}
     lines = [f"{returns.get(name, 'ncclResult_t')} (*p_{name})({', '.join(args)}) = {name};"
              for name, args in PROTOTYPES.items()]
