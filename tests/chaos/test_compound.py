@@ -119,6 +119,7 @@ def stop_then_resume(paths, name: str) -> dict:
     return result
 
 
+@pytest.mark.slow  # 38 s; keeps the default suite under 15 minutes on 2 cores (the join race stays in it)
 def test_sigterm_and_a_worker_sigkill_at_once_stop_cleanly_and_resume_exactly(scenario):
     stop_then_resume(scenario, "sigterm_sigkill")
 
