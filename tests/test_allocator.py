@@ -50,8 +50,8 @@ def test_workers_tune_by_default_and_the_option_turns_it_off(ray_session):
     on = ElasticTrainer(min_workers=1, max_workers=1, progress=False).run(ray_jobs.allocator_probe).value
     off = ElasticTrainer(min_workers=1, max_workers=1, progress=False, tune_allocator=False).run(
         ray_jobs.allocator_probe).value
-    if GLIBC:
-        assert on["applied"] is True and on["faults"] < 1_000, on
+    if GLIBC:  # the fault count itself is the subprocess test's: a Ray worker allocates on other threads' arenas
+        assert on["applied"] is True, on
     assert off["applied"] is None, off
 
 
