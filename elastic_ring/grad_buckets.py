@@ -36,18 +36,32 @@ from .ops import ReduceOp
 class GradLayout:
     """Bucket buffers for ``params`` (in bucket-plan order) and each parameter's view into them."""
 
-    def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[Bucket]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], buckets: Sequence[Bucket], trailer: int = 0) -> None:
         self.buckets = list(buckets)
         self.buffers: list[torch.Tensor] = []
         self.wire: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
-        for bucket in self.buckets:
+        #: ``trailer`` extra elements at the end of the last bucket's wire buffer, reduced with it (the step's
+        #: agreement rides there: :mod:`elastic_ring.step_trailer`); None without them.
+        self.trailer: torch.Tensor | None = None
+        #: Whether bucket b goes out through a wire buffer of another dtype (compression): cast there and back.
+        self.casts: list[bool] = []
+        last = len(self.buckets) - 1
+        for b, bucket in enumerate(self.buckets):
             dtype = bucket.source_dtype
             if dtype is None:
                 raise ValueError("gradient buckets must be planned with split_source_dtypes=True")
-            buffer = torch.empty(bucket.numel, dtype=dtype, device=bucket.device)
+            extra = trailer if b == last else 0
+            same = bucket.wire_dtype == dtype
+            buffer = torch.empty(bucket.numel + (extra if same else 0), dtype=dtype, device=bucket.device)
+            wire = buffer if same else torch.empty(bucket.numel + extra, dtype=bucket.wire_dtype, device=bucket.device)
+            if extra:
+                self.trailer = wire[bucket.numel:]
+                self.trailer.zero_()
+                buffer = buffer[:bucket.numel]  # the gradients' part: casts and views never touch the trailer
             self.buffers.append(buffer)
-            self.wire.append(buffer if bucket.wire_dtype == dtype else torch.empty(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device))
+            self.wire.append(wire)
+            self.casts.append(not same)
             for i, chunk in zip(bucket.indices, buffer.split(bucket.numels)):
                 self.views[i] = chunk.view(params[i].shape)
 
@@ -118,17 +132,18 @@ class GradLayout:
     def launch(self, b: int, comm: Communicator, op: ReduceOp, divisor: int | None) -> Work:
         """Start bucket ``b``'s allreduce (``divisor``: divide while casting to the wire dtype)."""
         buffer, wire = self.buffers[b], self.wire[b]
-        if wire is not buffer:
-            with torch.no_grad(), timeline.span("cast", "fusion", bytes=wire.numel() * wire.element_size()):
+        if self.casts[b]:
+            part = wire[:buffer.numel()]
+            with torch.no_grad(), timeline.span("cast", "fusion", bytes=part.numel() * part.element_size()):
                 if divisor is None:
-                    wire.copy_(buffer)
+                    part.copy_(buffer)
                 else:
-                    torch.div(buffer, divisor, out=wire)
+                    torch.div(buffer, divisor, out=part)
         return comm.allreduce(wire, op)
 
     def finish(self, b: int) -> None:
         """After bucket ``b``'s allreduce: cast the result back into the gradients."""
         buffer, wire = self.buffers[b], self.wire[b]
-        if wire is not buffer:
+        if self.casts[b]:
             with torch.no_grad(), timeline.span("cast", "fusion", bytes=buffer.numel() * buffer.element_size()):
-                buffer.copy_(wire)
+                buffer.copy_(wire[:buffer.numel()])

@@ -18,19 +18,26 @@ contract:
   communication overlaps the rest of the backward pass.
 * :meth:`synchronize` launches what is left (a parameter without a gradient
   contributes zeros), waits for every bucket, and resets for the next step.
-* At the first gradient of every step, one 48-byte allreduce starts that
-  checks that all ranks are at the same point with the same parameters and
-  bucket plan, and at the same optimizer step (``applied_steps`` rides in it
-  as a transaction id, compared in a reducer's first ring and in rings on
-  which it was re-based); it also carries the autotuner's agreed numbers. Its
-  answer is awaited on a helper thread (:mod:`elastic_ring.verdict`), so
-  backward never blocks on it; no bucket is sent before it is yes, and the
-  helper launches what became ready meanwhile. A mismatch therefore raises
-  :class:`TensorMismatchError` on every rank before any bucket of a
-  mismatched size is sent (gloo would abort the process). On CUDA, after the
-  first step of a ring, buckets go out at once and the verdict is read in
-  :meth:`synchronize`, where the step waits anyway, so the hooks never block
-  the host.
+* A ring's first step (and any step after the bucket plan changed, every step
+  while autotuning, and every step with ``strict_checks=True``) starts with
+  one 48-byte allreduce at its first gradient that checks that all ranks are at
+  the same point with the same parameters and bucket plan, and at the same
+  optimizer step (``applied_steps`` rides in it as a transaction id, compared
+  in a reducer's first ring and in rings on which it was re-based); it also
+  carries the autotuner's agreed numbers. Its answer is awaited on a helper
+  thread (:mod:`elastic_ring.verdict`), so backward never blocks on it; no
+  bucket is sent before it is yes. A mismatch therefore raises
+  :class:`TensorMismatchError` on every rank before any bucket of a mismatched
+  size is sent (gloo would abort the process).
+* Every other step has no collective of its own: the same agreement (plan,
+  step, boundary flag) rides as exact small integers at the end of the last
+  bucket (:mod:`elastic_ring.step_trailer`) and is read in
+  :meth:`synchronize`, before the update is applied. Ranks at different steps
+  (or with different plans of the same sizes) raise the full message on every
+  rank and the ring stays usable; a bucket that met another collective aborts
+  the ring. Where the slots cannot ride (op Min/Max, a wire dtype that cannot
+  sum the world size exactly), CUDA sends buckets at once and reads the
+  leading check's verdict in :meth:`synchronize` (CPU waits for it).
 * A :class:`CommError` anywhere drops everything in flight and the buckets,
   sets every parameter's ``.grad`` to None (a retried step starts from clean
   gradients) and is tagged ``live_state_consistent = True``: it was raised
@@ -48,7 +55,7 @@ from typing import Sequence
 
 import torch
 
-from . import constants, fusion, runtime, timeline
+from . import constants, fusion, runtime, step_trailer, timeline
 from .autotune import AutotuneResult, Autotuner, distinct_candidates
 from .communicator import Communicator, Work
 from .compression import Compressor
@@ -56,7 +63,7 @@ from .errors import CommError, TensorMismatchError
 from .grad_buckets import GradLayout
 from .log import get_logger
 from .ops import ReduceOp
-from .signature import PendingCheck, describe, signature_hash, start_check
+from .signature import PendingCheck, describe, exchange_message, signature_hash, start_check
 from .verdict import VerdictWaiter
 
 _log = get_logger(__name__)
@@ -76,6 +83,7 @@ class GradReducer:
         backward_passes_per_step: int,
         first_bucket_bytes: int = 0,
         autotune: bool = False,
+        strict_checks: bool = False,
     ) -> None:
         ordered = list(reversed(named_params))
         self._names = [n for n, _ in ordered]
@@ -89,6 +97,9 @@ class GradReducer:
         self._first_bytes = first_bucket_bytes
         self._default_bytes = bucket_bytes
         self._autotune = autotune
+        self._strict = strict_checks
+        self._agreed_digest: int | None = None  # the plan a leading check of this ring agreed on
+        self._world = 1
         self._tuner: Autotuner | None = None
         self.autotune_result: AutotuneResult | None = None
         self.applied_steps = 0
@@ -139,7 +150,8 @@ class GradReducer:
         self._layout = None
         self._kind = (f"DistributedOptimizer step (op={self._op.value}, compression={self._compressor.name}, "
                       f"backward_passes_per_step={self._passes}, fusion_threshold_bytes={bucket_bytes}, "
-                      f"first_bucket_bytes={self._first_bytes}, {len(self.buckets)} buckets)")
+                      f"first_bucket_bytes={self._first_bytes}, {len(self.buckets)} buckets"
+                      f"{', strict_checks=True' if self._strict else ''})")
         self._digest = signature_hash(self._kind, self._entries)
 
     def _reset(self) -> None:
@@ -148,6 +160,7 @@ class GradReducer:
         self._verdict: VerdictWaiter | None = None
         self._gated_since: float | None = None
         self._verified = False
+        self._in_bucket = False  # this step's agreement rides in its last bucket (no leading check)
         self._remaining = [self._passes] * len(self._params)
         self._ready = [0] * len(self.buckets)
         self._small: list[list[int]] = [[] for _ in self.buckets]  # ready small gradients not yet in their views
@@ -290,6 +303,8 @@ class GradReducer:
         # in a ring on which the state layer re-based it (set_applied_steps after a sync or a restore)
         self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
         self._comm_ref = weakref.ref(comm)
+        self._world = comm.size
+        self._agreed_digest = None  # a new ring's first step is checked before any bucket is sent
         self._on_cpu = comm.device.type == "cpu"
         self._ring_steps = 0
         self._last_step_end = None
@@ -307,14 +322,23 @@ class GradReducer:
 
     def _layout_for_step(self) -> GradLayout:
         if self._layout is None:
-            self._layout = GradLayout(self._params, self.buckets)
+            fits = (self._op in (ReduceOp.AVERAGE, ReduceOp.SUM) and not self._strict and bool(self.buckets)
+                    and step_trailer.supports(self.buckets[-1].wire_dtype, self._world))
+            self._layout = GradLayout(self._params, self.buckets, step_trailer.SLOTS if fits else 0)
         return self._layout
 
     def _deferred(self, comm: Communicator) -> bool:
         """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
-        if self._ring_steps == 0:
+        if self._ring_steps == 0 or self._strict:
             return False  # a ring's first step checks first: different models fail with a full message
         return not self._on_cpu or self.defer_check_on_cpu
+
+    def _agree_in_bucket(self) -> bool:
+        """Whether this step's agreement rides in its last bucket instead of a leading check: after a leading
+        check of this ring agreed on the current plan, once autotuning is done, unless ``strict_checks``, and
+        when the last bucket's wire dtype sums the slots exactly (op Average or Sum). The same on every rank."""
+        return (not self._strict and self._agreed_digest == self._digest
+                and (self._tuner is None or self._tuner.done) and self._layout_for_step().trailer is not None)
 
     # ------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -350,9 +374,12 @@ class GradReducer:
         same step. With ``helper``, the answer is awaited on a helper thread (backward goes on meanwhile)."""
         if self._check is not None or self._verified or self._verdict is not None:
             return
+        self._boundary_seen = False
+        if self._agree_in_bucket():
+            self._in_bucket = self._verified = True
+            return
         value = self._tuner.outgoing() if self._tuner is not None else 0
         boundary = int(bool(self.boundary_ask is not None and self.boundary_ask()))
-        self._boundary_seen = False
         step = self.applied_steps if self._step_armed else None
         check = start_check(comm, self._kind, self._entries, None, values=[value, boundary], step=step,
                             digest=self._digest, step_slots=True)
@@ -372,6 +399,7 @@ class GradReducer:
 
     def _accept(self, values: list[int]) -> None:
         self._verified = True
+        self._agreed_digest = self._digest
         self._boundary_seen = bool(values[1])
         if self._tuner is not None:
             self._tuner.incoming(values[0])
@@ -420,7 +448,7 @@ class GradReducer:
         small ones together once their bucket is complete) and count it."""
         b = self._bucket_of[i]
         layout = self._layout_for_step()
-        divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is layout.buffers[b] else None
+        divisor = comm.size if self._op is ReduceOp.AVERAGE and not layout.casts[b] else None
         if self._nbytes[i] >= constants.GRAD_BATCH_BELOW_BYTES:
             layout.adopt(i, self._params[i], divisor)
         else:
@@ -448,8 +476,42 @@ class GradReducer:
             self._gated_since = None
         layout = self._layout_for_step()
         base_op = ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
-        cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.wire[b] is not layout.buffers[b] else None
+        cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.casts[b] else None
+        if self._in_bucket and b == len(self.buckets) - 1:
+            self._fill_trailer(layout)
         self._in_flight.append((b, layout.launch(b, comm, base_op, cast_divisor)))
+
+    def _fill_trailer(self, layout: GradLayout) -> None:
+        """Write this rank's agreement (plan, step, boundary flag) behind the last bucket's gradients."""
+        boundary = bool(self.boundary_ask is not None and self.boundary_ask())
+        values = step_trailer.encode(self._digest, self.applied_steps if self._step_armed else None, boundary)
+        trailer = layout.trailer
+        host = torch.tensor(values, dtype=trailer.dtype)
+        if trailer.device.type == "cuda":  # no host wait: from pinned memory, ordered before the bucket's launch
+            host = host.pin_memory()
+            trailer.copy_(host, non_blocking=True)
+            self._trailer_host = host  # alive until the copy ran (the step's end waits on the device anyway)
+        else:
+            trailer.copy_(host)
+
+    def _read_trailer(self, comm: Communicator, layout: GradLayout) -> None:
+        """After the last bucket: every rank reads the same sums, so all agree, or all raise the same way."""
+        verdict = step_trailer.decode(layout.trailer.tolist(), comm.size)
+        if verdict.agreed:
+            self._boundary_seen = verdict.boundary
+            return
+        if verdict.foreign:  # a bucket met another collective somewhere: what the ring holds is not trusted
+            self._layout = None
+            comm.abort()
+            raise TensorMismatchError(
+                f"{self._kind}: the step's last gradient bucket met a different collective on some rank (a "
+                "collective called by only some ranks, or ranks with different models); this was found by the "
+                "agreement carried in that bucket, after the buckets were sent, so the ring was aborted. Every "
+                "rank must make the same calls in the same order; DistributedOptimizer(strict_checks=True) checks "
+                "before sending anything and names the call each rank made")
+        step = self.applied_steps if self._step_armed else None  # the buckets matched: the ring is usable
+        raise TensorMismatchError(exchange_message(comm, self._kind, self._entries, step,
+                                                   comm.spec.collective_timeout_s))
 
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
@@ -490,6 +552,8 @@ class GradReducer:
                 for b, work in self._in_flight:
                     work.wait()
                     layout.finish(b)
+                if self._in_bucket:
+                    self._read_trailer(comm, layout)
             except CommError as exc:
                 self._on_comm_error(exc)
                 raise

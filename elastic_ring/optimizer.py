@@ -240,6 +240,7 @@ def DistributedOptimizer(
     fusion_threshold_bytes: int | None = None,
     first_bucket_bytes: int | None = None,
     autotune: bool | None = None,
+    strict_checks: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over the ring.
 
@@ -260,6 +261,13 @@ def DistributedOptimizer(
             keep the fastest (the same on every rank; see
             ``opt.autotune_result``). Default: on unless
             ``fusion_threshold_bytes`` is given or ``ELASTIC_RING_AUTOTUNE=0``.
+        strict_checks: check every step with its own 48-byte collective
+            before any gradient bucket is sent (as in a ring's first step).
+            Default False: after a ring's first step the step's agreement
+            rides inside its last gradient bucket, with no collective or wait
+            of its own. What only strict checks turn into a clear error: a
+            collective called by only some ranks just before a step (gloo
+            then fails the ring or aborts the process; see docs/performance.md).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -273,6 +281,8 @@ def DistributedOptimizer(
     if first_bucket_bytes is not None:
         check_int("DistributedOptimizer", "first_bucket_bytes", first_bucket_bytes, minimum=0,
                   hint="0: no early first bucket")
+    if not isinstance(strict_checks, bool):
+        raise ValueError(f"strict_checks={strict_checks!r} must be True or False")
     if autotune is not None and not isinstance(autotune, bool):
         raise ValueError(f"autotune={autotune!r} must be True, False or None (None: on unless fusion_threshold_bytes is given)")
     op = ReduceOp.parse(op)
@@ -287,6 +297,6 @@ def DistributedOptimizer(
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks with `optimizer`
     wrapped._er_reducer = GradReducer(named, op, compressor, bucket_bytes, backward_passes_per_step,
-                                      first_bucket_bytes=first, autotune=autotune)
+                                      first_bucket_bytes=first, autotune=autotune, strict_checks=strict_checks)
     wrapped._er_synchronize_in_step = True
     return wrapped

@@ -123,9 +123,15 @@ class PendingCheck:
 
     def exchange_message(self) -> str:
         """After a disagreement (on every rank): swap descriptions and say what each rank passed."""
-        mine = json.dumps({"kind": self._kind, "entries": self._entries, "step": self._step}).encode()
-        views = [_decode(data, rank) for rank, data in enumerate(allgather_bytes(self._comm, mine, self._timeout_s))]
-        return _mismatch_message(views)
+        return exchange_message(self._comm, self._kind, self._entries, self._step, self._timeout_s)
+
+
+def exchange_message(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], step: int | None,
+                     timeout_s: float | None) -> str:
+    """After a disagreement every rank saw: swap descriptions (plain JSON) and say what each rank passed."""
+    mine = json.dumps({"kind": kind, "entries": list(entries), "step": step}).encode()
+    views = [_decode(data, rank) for rank, data in enumerate(allgather_bytes(comm, mine, timeout_s))]
+    return _mismatch_message(views)
 
 
 def start_check(

@@ -82,6 +82,8 @@ def train(config: dict):
                     state.commit()
                 if delay_s:
                     time.sleep(delay_s)
+                if er.size() < config.get("slow_below_size", 0):  # hold the job open until a replacement joins
+                    time.sleep(config.get("slow_step_s", 0.3))
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             if config.get("refuse_writes_in") and state.epoch == config.get("epochs", 2):

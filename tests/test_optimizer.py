@@ -111,9 +111,10 @@ def test_different_models_fail_at_the_first_step_on_every_rank(ring):
     assert "different numbers of tensors" in messages[0] or "disagree on tensor" in messages[0]
 
 
-def _collective_on_one_rank_only():
+def _collective_on_one_rank_only(strict: bool = True):
     model = make_model()
-    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  strict_checks=strict)
     try:
         for step in range(3):
             opt.zero_grad()
@@ -124,13 +125,33 @@ def _collective_on_one_rank_only():
                 er.allreduce(loss.detach())
     except er.TensorMismatchError as exc:
         return str(exc)
+    except er.CommError as exc:
+        return f"CommError: {exc}"
     return None
 
 
-def test_collective_called_by_one_rank_only_is_a_clear_error_not_a_crash(ring):
+def test_collective_called_by_one_rank_only_is_a_clear_error_with_strict_checks(ring):
     messages = ring.run(_collective_on_one_rank_only, world_size=2, timeout_s=60)
     assert messages[0] is not None and messages[0] == messages[1]
     assert "different collectives" in messages[0] and "DistributedOptimizer step" in messages[0]
+
+
+def test_collective_called_by_one_rank_only_without_strict_checks_fails_the_ring_fast_never_hangs():
+    """What docs/performance.md says strict checks alone catch clearly: here gloo meets a 48-byte probe paired
+    with a gradient bucket and aborts that process; its peer's collective fails at once. A fresh ring: a rank dies."""
+    import time
+
+    from tests.process_ring import ProcessRing, RankFailure
+
+    pool = ProcessRing(2)
+    try:
+        started = time.monotonic()
+        results = pool.run(_collective_on_one_rank_only, False, world_size=2, timeout_s=60)
+        assert time.monotonic() - started < 30
+    finally:
+        pool.close()
+    assert isinstance(results[0], RankFailure) and results[0].type_name == "ProcessDied", results
+    assert results[1].startswith("CommError: ") and "collective failed" in results[1], results
 
 
 def _broadcast_state():

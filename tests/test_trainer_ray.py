@@ -87,7 +87,8 @@ def test_sigstopped_worker_is_declared_dead_after_the_heartbeat_timeout(ray_sess
 
 def test_a_worker_that_loses_its_rendezvous_is_a_lost_worker_not_the_end_of_the_job(ray_session):
     result = ElasticTrainer(min_workers=1, max_workers=2, progress=False).run(
-        ray_jobs.train, config={"epochs": 3, "faults": [(1, 1, 3, "rendezvous")], "step_delay_s": 0.05})
+        ray_jobs.train, config={"epochs": 3, "faults": [(1, 1, 3, "rendezvous")], "step_delay_s": 0.05,
+                                "slow_below_size": 2})  # the lone survivor steps slowly until replaced
     check_invariant(result, 3)
     lost = [e for e in result.events if e.kind == "worker_lost"]
     assert lost and "left the job" in lost[0].detail["cause"] and "injected" in lost[0].detail["cause"], lost

@@ -124,6 +124,7 @@ def test_sigterm_and_a_worker_sigkill_at_once_stop_cleanly_and_resume_exactly(sc
     stop_then_resume(scenario, "sigterm_sigkill")
 
 
+@pytest.mark.slow  # 40 s; SIGTERM's clean stop and resume stay in the default suite (tests/test_preemption.py, test_stop.py)
 def test_sigterm_racing_a_join_commit_stops_cleanly_and_resumes_exactly(scenario):
     stop_then_resume(scenario, "sigterm_at_join")
 

@@ -145,6 +145,7 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
     return result
 
 
+@pytest.mark.slow  # 30 s; the spot storm below stays in the default suite (kills in a sync and joins have their own tests)
 def test_fast_storm(slot_cluster, tmp_path):
     run_storm(slot_cluster, tmp_path, seed=607, count=3, time_bound_s=150)  # kill_in_sync, node_removed, node_added
 

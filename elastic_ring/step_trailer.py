@@ -1,0 +1,84 @@
+"""A step's agreement, carried inside its last gradient bucket (no collective of its own).
+
+In a steady-state step the ranks must still agree on three things before the
+update is applied: that they reduced the same bucket plan, that they are at the
+same optimizer step (a transaction id), and whether any rank asked for a step
+boundary. A separate 48-byte check per step does this at the cost of a
+collective and a wait on it before the first bucket may go out. Here the same
+facts ride at the end of the last bucket's wire buffer, as exact small integers
+that the bucket's SUM reduces along with the gradients:
+
+* slot 0: 1 from every rank; the sum must be the world size (anything else means
+  the bucket met a different collective on some rank: the ring is not trusted);
+* slot 1: the rank's boundary flag (0/1); the sum is > 0 iff any rank asked;
+* slots 2..33: the 32 low bits of the plan digest, one bit per slot; every sum
+  must be 0 or the world size (all ranks have the same bit);
+* slot 34: 1 from a rank whose applied-step count is compared in this ring
+  (0 from a rank that joined without a re-based count), the count ``n``;
+* slots 35..66: the 32 low bits of that step, one per slot; each sum must be
+  0 or ``n``.
+
+Every partial sum is an integer no larger than the world size, so the
+reduction is exact in any float dtype whose integers are exact up to that size
+(:func:`supports`); the slots never touch the gradients (they follow them).
+:func:`decode` is a pure function of the summed slots and the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = 32
+SLOTS = 3 + 2 * BITS
+_MASK = (1 << BITS) - 1
+
+#: The largest world size whose counts a dtype sums exactly (every integer up to it is representable).
+_EXACT_UP_TO = {torch.float64: 1 << 53, torch.float32: 1 << 24, torch.float16: 1 << 11, torch.bfloat16: 1 << 8}
+
+
+def supports(dtype: torch.dtype, world_size: int) -> bool:
+    """Whether a wire buffer of ``dtype`` can carry the trailer exactly for ``world_size`` ranks."""
+    return world_size <= _EXACT_UP_TO.get(dtype, 0)
+
+
+def encode(digest: int, step: int | None, boundary: bool) -> list[float]:
+    """This rank's slots: presence, boundary flag, the digest's bits, then the step's (if compared)."""
+    bits = [float((digest >> k) & 1) for k in range(BITS)]
+    if step is None:
+        steps = [0.0] * (1 + BITS)
+    else:
+        steps = [1.0] + [float(((step & _MASK) >> k) & 1) for k in range(BITS)]
+    return [1.0, float(bool(boundary))] + bits + steps
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the summed slots say. ``foreign``: the bucket did not pair with this step's bucket on every
+    rank (then nothing else is meaningful). ``same_plan`` / ``same_step``: every rank reduced the same
+    plan / every compared rank is at the same step. ``boundary``: some rank asked for a step boundary."""
+
+    foreign: bool
+    same_plan: bool
+    same_step: bool
+    boundary: bool
+
+    @property
+    def agreed(self) -> bool:
+        return not self.foreign and self.same_plan and self.same_step
+
+
+def decode(sums: list[float], world_size: int) -> Verdict:
+    """Read the reduced slots of a world of ``world_size`` ranks."""
+    if len(sums) != SLOTS or any(s != s for s in sums):  # NaN: the slots met foreign data
+        return Verdict(True, False, False, False)
+    values = [int(s) if float(s).is_integer() else -1 for s in sums]
+    present, boundary, digest, compared, step = values[0], values[1], values[2:2 + BITS], values[2 + BITS], values[3 + BITS:]
+    if present != world_size or not 0 <= boundary <= world_size or not 0 <= compared <= world_size:
+        return Verdict(True, False, False, False)
+    same_plan = all(v in (0, world_size) for v in digest)
+    same_step = all(v in (0, compared) for v in step)
+    if any(v < 0 or v > world_size for v in digest + step):
+        return Verdict(True, False, False, False)
+    return Verdict(False, same_plan, same_step, boundary > 0)
