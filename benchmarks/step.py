@@ -96,6 +96,8 @@ class Workload:
 WORKLOADS = {
     "mlp4x1024": Workload("MLP 4x1024", lambda: mlp(4, 1024), (1024,), 64),
     "mlp10x2048": Workload("MLP 10x2048", lambda: mlp(10, 2048), (2048,), 64),
+    # 62 small parameters, little compute: the step is mostly per-parameter overhead (hooks, launches)
+    "mlp30x64": Workload("MLP 30x64 (62 params, overhead-bound)", lambda: mlp(30, 64), (64,), 32),
     "resnet18": Workload("ResNet-18-like (width 32), 32x32", lambda: resnet18(32), (3, 32, 32), 32),
 }
 DEFAULT_ROWS = ["mlp4x1024@2", "mlp4x1024@3", "mlp10x2048@2", "resnet18@2"]

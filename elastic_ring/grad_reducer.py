@@ -349,25 +349,36 @@ class GradReducer:
         comm = runtime.current_or_none()
         if comm is None or comm.size == 1:
             return
+        if self._in_bucket and self._comm_ref() is comm:
+            # the lean path: no helper thread shares this step (its agreement rides in the last bucket), so no
+            # lock, no check, no verdict: count the gradient, adopt it, launch what is ready
+            try:
+                self._count_ready(self._position[id(param)], comm)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
+            return
         with self._lock:
             try:
                 self._bind(comm)
                 self._raise_if_verdict_failed()
                 self._start_check(comm, helper=self._on_cpu and not self._deferred(comm))
-                i = self._position[id(param)]
-                self._remaining[i] -= 1
-                if self._remaining[i] < 0:
-                    raise RuntimeError(
-                        f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
-                        f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
-                        "or call step() after every backward pass"
-                    )
-                if self._remaining[i] == 0:
-                    self._ready_one(i, comm)
-                    self._launch_ready(comm)
+                self._count_ready(self._position[id(param)], comm)
             except CommError as exc:
                 self._on_comm_error(exc)
                 raise
+
+    def _count_ready(self, i: int, comm: Communicator) -> None:
+        remaining = self._remaining[i] - 1
+        self._remaining[i] = remaining
+        if remaining < 0:
+            raise RuntimeError(
+                f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
+                f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
+                "or call step() after every backward pass"
+            )
+        if remaining == 0 and self._ready_one(i, comm):
+            self._launch_ready(comm)
 
     def _start_check(self, comm: Communicator, helper: bool) -> None:
         """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the
@@ -443,20 +454,23 @@ class GradReducer:
         self._layout = None
         comm.abort()
 
-    def _ready_one(self, i: int, comm: Communicator) -> None:
+    def _ready_one(self, i: int, comm: Communicator) -> bool:
         """Parameter ``i``'s gradient is final for this step: move it into its view (a large one now,
-        small ones together once their bucket is complete) and count it."""
+        small ones together once their bucket is complete) and count it. True: its bucket is complete."""
         b = self._bucket_of[i]
-        layout = self._layout_for_step()
+        layout = self._layout or self._layout_for_step()
         divisor = comm.size if self._op is ReduceOp.AVERAGE and not layout.casts[b] else None
         if self._nbytes[i] >= constants.GRAD_BATCH_BELOW_BYTES:
             layout.adopt(i, self._params[i], divisor)
         else:
             self._small[b].append(i)
-        self._ready[b] += 1
-        if self._ready[b] == len(self.buckets[b].indices) and self._small[b]:
+        ready = self._ready[b] = self._ready[b] + 1
+        if ready != len(self.buckets[b].indices):
+            return False
+        if self._small[b]:
             layout.adopt_many(self._small[b], self._params, divisor)
             self._small[b] = []
+        return True
 
     def _launch_ready(self, comm: Communicator) -> None:
         """Launch, in order, every bucket that is ready and allowed to go."""
