@@ -13,6 +13,7 @@ import torch
 from . import runtime
 from .collectives import grouped_broadcast_
 from .object_collectives import broadcast_tree
+from .optimizer import _DistributedMixin
 
 
 def broadcast_parameters(
@@ -42,6 +43,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Give every rank root's optimizer state and hyperparameters (e.g. Adam moments, lr)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _initialize_state(optimizer)
     state = broadcast_tree(optimizer.state_dict(), root_rank, name="optimizer_state", timeout_s=timeout_s)
     if runtime.rank() != root_rank:
         optimizer.load_state_dict(state)
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """As Horovod: an optimizer that never stepped has no state yet (no momentum buffers, no Adam moments), so
+    it takes one local step on zero gradients first, and every rank then holds root's state tensors. Unlike
+    Horovod, the parameters and gradients are restored afterwards: the step changes no weight (weight decay
+    would have). A DistributedOptimizer takes its wrapped optimizer's own step: no collective, no count."""
+    if optimizer.state_dict()["state"]:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [(p.grad, p.detach().clone()) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    step = super(_DistributedMixin, optimizer).step if isinstance(optimizer, _DistributedMixin) else optimizer.step
+    try:
+        step()
+    finally:
+        with torch.no_grad():
+            for p, (grad, value) in zip(params, saved):
+                p.copy_(value)
+                p.grad = grad

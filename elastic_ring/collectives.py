@@ -47,8 +47,11 @@ def release_buffers() -> None:
 runtime.add_teardown_hook(release_buffers)  # a torn-down ring's buffers go with it
 
 
+#: Dtypes both backends reduce and move natively.
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64)
-
+#: Integer dtypes a backend lacks: reduced in a wider one and cast back (exact; a sum that overflows the
+#: narrow dtype wraps as the narrow dtype's own arithmetic would).
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
 
 def _names(tensors: Sequence[torch.Tensor], name: str | Sequence[str] | None, kind: str) -> list[str]:
@@ -66,13 +69,10 @@ def _check_tensors(tensors: Sequence[torch.Tensor], kind: str) -> None:
 
 
 def _check_reducible(tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp) -> None:
+    """Raised on every rank alike (after the signature check): a local input error, never a ring failure."""
     for t, n in zip(tensors, names):
-        if t.dtype not in _REDUCIBLE:
+        if t.dtype not in _REDUCIBLE and t.dtype not in _WIDER:
             raise ValueError(f"cannot allreduce tensor {n!r} of dtype {t.dtype}; cast it to a float or int dtype")
-        if op is ReduceOp.AVERAGE and not t.is_floating_point():
-            raise ValueError(
-                f"op=Average needs floating-point tensors but {n!r} is {t.dtype}; use op=Sum and divide yourself"
-            )
 
 
 def _fused_allreduce(
@@ -110,7 +110,10 @@ def _fused_allreduce(
     for bucket, buffer, work, direct, prescale in in_flight:
         work.wait()
         if op is ReduceOp.AVERAGE and not prescale:
-            buffer.div_(size)
+            if buffer.is_floating_point():
+                buffer.div_(size)
+            else:  # as Horovod: an integer average is the sum floor-divided by the world size
+                buffer.floor_divide_(size)
         if direct:
             results[bucket.indices[0]] = tensors[bucket.indices[0]]
         elif inplace:
@@ -132,11 +135,51 @@ def _grouped_allreduce(tensors, op, name, compression, fusion_threshold_bytes, t
     verify_same(comm, f"{kind}(op={op.value}, compression={compressor.name})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
     _check_reducible(tensors, names, op)
     threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
+    if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_AllreduceGrad.apply(comm, op, compressor, threshold, timeout_s, *tensors))
+    with torch.no_grad():
+        return _reduce(comm, list(tensors), op, compressor, threshold, timeout_s, inplace)
+
+
+def _reduce(comm, tensors, op, compressor, threshold, timeout_s, inplace) -> list[torch.Tensor]:
+    """The data path of every allreduce (no autograd): dtypes a backend lacks go through a wider one."""
     if comm.size == 1:
-        if inplace:
-            return list(tensors)
-        return [t.clone() for t in tensors]
-    return _fused_allreduce(comm, tensors, op, compressor, threshold, timeout_s, inplace)
+        return list(tensors) if inplace else [t.clone() for t in tensors]
+    widened = [t.to(_WIDER[t.dtype]) if t.dtype in _WIDER else t for t in tensors]
+    if all(w is t for w, t in zip(widened, tensors)):
+        return _fused_allreduce(comm, tensors, op, compressor, threshold, timeout_s, inplace)
+    reduced = _fused_allreduce(comm, widened, op, compressor, threshold, timeout_s, True)
+    out = []
+    for original, result in zip(tensors, reduced):
+        if result.dtype == original.dtype:
+            out.append(result if not inplace else original)
+        elif inplace:
+            out.append(original.copy_(result))
+        else:
+            out.append(result.to(original.dtype))
+    return out
+
+
+class _AllreduceGrad(torch.autograd.Function):
+    """Allreduce with Horovod's gradient: the gradient of an allreduce is the allreduce (same op) of the
+    gradient. Every rank must backpropagate through it, as every rank called it."""
+
+    @staticmethod
+    def forward(ctx, comm, op, compressor, threshold, timeout_s, *tensors):
+        ctx.op, ctx.compressor, ctx.threshold, ctx.timeout_s = op, compressor, threshold, timeout_s
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(_reduce(comm, [t.detach() for t in tensors], op, compressor, threshold, timeout_s, False))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise RuntimeError(f"allreduce with op={ctx.op.value} has no gradient; only Average and Sum are "
+                               "differentiable (detach the tensor, or reduce it with op=Sum)")
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+                 for g, (shape, dtype, device) in zip(grads, ctx.shapes)]
+        reduced = _grouped_allreduce(grads, ctx.op, "allreduce.grad", ctx.compressor, ctx.threshold, ctx.timeout_s,
+                                     False, "grouped_allreduce")
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(
@@ -186,12 +229,20 @@ def allreduce_(
 
 
 def _as_wire(t: torch.Tensor) -> torch.Tensor:
-    """A view gloo and NCCL can move: bools travel as bytes, complex as real pairs."""
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
+    """A view gloo and NCCL can move: complex as real pairs, every dtype they lack (bool, int16, uint16,
+    uint32, uint64, float8 ...) as its bytes. A byte view needs a contiguous last dimension: callers pass
+    contiguous tensors or copy back."""
     if t.is_complex():
         return torch.view_as_real(t)
-    return t
+    if t.dtype in _REDUCIBLE:
+        return t
+    return t.view(torch.uint8) if t.dim() else t.view(1).view(torch.uint8)
+
+
+def _from_wire(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype.is_complex:
+        return torch.view_as_complex(out)
+    return out if out.dtype == dtype else out.view(dtype)
 
 
 def grouped_broadcast_(
@@ -210,7 +261,8 @@ def grouped_broadcast_(
         raise ValueError(f"root_rank={root_rank!r} is not a rank of this ring (world size {comm.size})")
     if comm.size == 1:
         return list(tensors)
-    wires = [_as_wire(t) for t in tensors]
+    staged = [t if t.is_contiguous() or t.dtype in _REDUCIBLE else t.contiguous() for t in tensors]
+    wires = [_as_wire(t) for t in staged]
     threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
     buckets = fusion.plan_buckets(fusion.metas_of(wires), threshold, Compression.none)
     in_flight = []
@@ -226,6 +278,9 @@ def grouped_broadcast_(
             work.wait()
             if not direct and comm.rank != root_rank:
                 fusion.unpack_(bucket, buffer, wires)
+        for original, copy in zip(tensors, staged):
+            if copy is not original:  # a non-contiguous tensor moved as bytes through a contiguous copy
+                original.copy_(copy)
     return list(tensors)
 
 
@@ -235,18 +290,57 @@ def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> torch.Tensor:
-    """Root's ``tensor`` on every rank, as a new tensor."""
+    """Root's ``tensor`` on every rank, as a new tensor. Differentiable as in Horovod: the gradient is the
+    average of every rank's gradient on the root, and zero elsewhere."""
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _BroadcastGrad.apply(tensor, root_rank, name, timeout_s)
     return broadcast_(tensor.detach().clone(), root_rank, name=name, timeout_s=timeout_s)
+
+
+class _BroadcastGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, timeout_s):
+        ctx.root_rank, ctx.name, ctx.timeout_s = root_rank, name, timeout_s
+        return broadcast_(tensor.detach().clone(), root_rank, name=name, timeout_s=timeout_s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad.contiguous(), op=Average, name=f"{ctx.name or 'broadcast'}.grad", timeout_s=ctx.timeout_s)
+        if runtime.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, timeout_s: float | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order.
 
     The first dimension may differ per rank; the other dimensions and the
-    dtype must match.
+    dtype must match. Differentiable as in Horovod: the gradient is this
+    rank's slice of the sum of every rank's gradient.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allgather expects a torch.Tensor, got {type(tensor).__name__}")
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _AllgatherGrad.apply(tensor, name, timeout_s)
+    return _allgather(tensor, name, timeout_s)
+
+
+class _AllgatherGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, timeout_s):
+        ctx.name, ctx.timeout_s, ctx.rows = name, timeout_s, tensor.shape[0] if tensor.dim() else 0
+        out = _allgather(tensor.detach(), name, timeout_s)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = allgather(torch.tensor([ctx.rows]), name=f"{ctx.name or 'allgather'}.grad.rows", timeout_s=ctx.timeout_s)
+        offset = int(rows[: runtime.rank()].sum())
+        summed = allreduce(grad.contiguous(), op="sum", name=f"{ctx.name or 'allgather'}.grad", timeout_s=ctx.timeout_s)
+        return summed.narrow(0, offset, ctx.rows), None, None
+
+
+def _allgather(tensor: torch.Tensor, name: str | None, timeout_s: float | None) -> torch.Tensor:
     comm = runtime.current()
     label = name or "allgather"
     verify_same(comm, "allgather", [(label, describe(tensor, ignore_first_dim=True))], timeout_s)
@@ -254,7 +348,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, timeout_s: float | 
         raise ValueError(f"allgather of {label!r} needs a tensor with at least one dimension; use tensor.view(1)")
     if comm.size == 1:
         return tensor.detach().clone()
-    local = _as_wire(tensor.detach()).contiguous().to(comm.device)
+    local = _as_wire(tensor.detach().contiguous()).to(comm.device)
     counts = torch.empty((comm.size, 1), dtype=torch.int64, device=comm.device)
     comm.allgather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm.device), timeout_s).wait()
     sizes = [int(c) for c in counts.view(-1).tolist()]
@@ -266,11 +360,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, timeout_s: float | 
     gathered = local.new_empty((comm.size, longest, *local.shape[1:]))
     comm.allgather(gathered, local, timeout_s).wait()
     out = torch.cat([gathered[r, : sizes[r]] for r in range(comm.size)]) if longest else gathered.view(0, *local.shape[1:])
-    if tensor.dtype == torch.bool:
-        out = out.view(torch.bool)
-    elif tensor.is_complex():
-        out = torch.view_as_complex(out)
-    return out.to(tensor.device)
+    return _from_wire(out, tensor.dtype).to(tensor.device)
 
 
 def barrier(timeout_s: float | None = None) -> None:

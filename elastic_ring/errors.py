@@ -39,11 +39,13 @@ class MembershipChanged(ElasticRingError):
     """The ring's membership changes at this commit; re-form without rolling back."""
 
 
-class TensorMismatchError(ElasticRingError, ValueError):
+class TensorMismatchError(ElasticRingError, ValueError, RuntimeError):
     """Ranks passed tensors of different shapes, dtypes or counts to one collective.
 
     Raised on every rank with the same message, which names the tensor and what
-    each rank passed. Fix the training script so that all ranks agree.
+    each rank passed. Fix the training script so that all ranks agree. It is a
+    ``ValueError`` and, as Horovod's mismatch errors, a ``RuntimeError``, so
+    ``except RuntimeError`` written for Horovod catches it.
     """
 
 

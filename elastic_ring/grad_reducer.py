@@ -168,6 +168,11 @@ class GradReducer:
         self._in_flight: list[tuple[int, Work]] = []
 
     @property
+    def reduced_unapplied(self) -> bool:
+        """A step was reduced by synchronize() and neither applied nor skipped since (nothing new reduced)."""
+        return self._synced_pending and not self.pending
+
+    @property
     def pending(self) -> bool:
         """True between the first ready gradient of a step and its synchronize()."""
         return bool(self._in_flight) or any(r != self._passes for r in self._remaining)

@@ -14,6 +14,7 @@ storage with them between steps (as with DDP's ``gradient_as_bucket_view``);
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -68,7 +69,13 @@ class _DistributedMixin:
             if reducer.micro_calls < reducer.passes:
                 return None
         if self._er_synchronize_in_step:
-            self._er_reducer.synchronize()
+            if self._er_reducer.reduced_unapplied:  # synchronize() ran and nothing was reduced since
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(); "
+                    "the gradients are not reduced again. Wrap step() in `with optimizer.skip_synchronize():` "
+                    "when you call synchronize() yourself (e.g. to clip gradients)", UserWarning, stacklevel=2)
+            else:
+                self._er_reducer.synchronize()
         try:
             result = super().step(closure)  # type: ignore[misc]
         except CommError as exc:  # a wrapped optimizer's own collective: its update may be half applied
