@@ -33,12 +33,17 @@ from .errors import (
     AuthenticationError, CommError, ElasticRingError, MembershipChanged, NotInitializedError, RendezvousError, RingStopped,
     TensorMismatchError,
 )
+from .handles import (
+    allgather_async, allreduce_async, allreduce_async_, broadcast_async, broadcast_async_, grouped_allreduce_async,
+    grouped_allreduce_async_, poll, synchronize,
+)
 from .nccl_communicator import nccl_available
 from .object_collectives import allgather_object, broadcast_object, broadcast_tree
 from .ops import Average, Max, Min, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .progress import set_progress
 from .report import report, set_reporter
+from .scatter import alltoall, grouped_reducescatter, reducescatter
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
 from .spec import RingSpec, StoreAddress
 from .store import StoreServer
@@ -53,4 +58,7 @@ __all__ = [
     "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",
     "elastic", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank", "report", "round_id",
     "set_progress", "set_reporter", "shutdown", "size", "timeline",
+    "allgather_async", "allreduce_async", "allreduce_async_", "alltoall", "broadcast_async", "broadcast_async_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "poll", "reducescatter",
+    "synchronize",
 ]

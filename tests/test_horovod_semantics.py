@@ -161,3 +161,59 @@ def test_step_after_synchronize_warns_as_horovod_and_does_not_reduce_twice(ring)
         assert reduced == [[2.0, 2.0]]  # summed once (twice would be 4)
         assert len(caught) == 1 and "skip_synchronize" in caught[0], caught
         assert quiet == 0 and applied == 2
+
+
+def _scatter_and_alltoall():
+    rank, size = er.rank(), er.size()
+    out = {}
+    t = torch.arange(7, dtype=torch.float32).repeat(2, 1).t().contiguous() * (rank + 1)  # 7 rows x 2
+    out["rs_sum"] = er.reducescatter(t, op=er.Sum).tolist()
+    out["rs_avg"] = er.reducescatter(t).tolist()
+    x = torch.ones(5, 3, requires_grad=True)
+    er.reducescatter(x, op=er.Sum).sum().backward()
+    out["rs_grad"] = x.grad.tolist()
+    # rank r sends j + 1 rows to rank j, each row holding 10 * r + j
+    splits = [j + 1 for j in range(size)]
+    rows = torch.cat([torch.full((j + 1, 2), float(10 * rank + j)) for j in range(size)])
+    received, counts = er.alltoall(rows, splits=splits)
+    out["a2a"] = (received[:, 0].tolist(), counts.tolist())
+    out["a2a_equal"] = er.alltoall(torch.arange(size * 2).view(size * 2, 1) + 100 * rank).view(-1).tolist()
+    y = torch.ones(sum(splits), 2, requires_grad=True)
+    got, _ = er.alltoall(y * (rank + 1), splits=splits)
+    got.sum().backward()
+    out["a2a_grad"] = y.grad[:, 0].tolist()
+    handle = er.allreduce_async(torch.tensor([float(rank)]), op=er.Sum)
+    out["poll"] = er.poll(handle)
+    out["async"] = er.synchronize(handle).item()
+    bad = er.allreduce_async(torch.ones(2 + rank), name="uneven")
+    try:
+        er.synchronize(bad)
+    except er.TensorMismatchError:
+        out["async_error"] = True
+    try:
+        er.synchronize(handle)
+    except ValueError as exc:
+        out["twice"] = "already synchronized" in str(exc)
+    try:
+        er.alltoall(torch.ones(size + 1, 1))
+    except ValueError as exc:
+        out["a2a_bad"] = "pass splits=" in str(exc)
+    er.barrier()
+    return out
+
+
+def test_reducescatter_alltoall_and_async_handles_as_in_horovod(ring):
+    results = ring.run(_scatter_and_alltoall, world_size=3, timeout_s=60)
+    blocks = [(0, 3), (3, 2), (5, 2)]  # 7 rows over 3 ranks: 3, 2, 2 (Horovod's split)
+    for rank, out in enumerate(results):
+        offset, rows = blocks[rank]
+        assert out["rs_sum"] == [[6.0 * i] * 2 for i in range(offset, offset + rows)]
+        assert out["rs_avg"] == [[2.0 * i] * 2 for i in range(offset, offset + rows)]
+        assert out["rs_grad"] == [[1.0] * 3] * 5   # the allgather of every rank's ones-block
+        values, counts = out["a2a"]
+        assert counts == [rank + 1] * 3 and values == [float(10 * r + rank) for r in range(3) for _ in range(rank + 1)]
+        assert out["a2a_equal"] == [2 * rank + 100 * r + k for r in range(3) for k in range(2)]
+        # a row sent to rank j comes back weighted by the multiplier of... this rank itself (it sent y * (rank+1))
+        assert out["a2a_grad"] == [float(rank + 1)] * 6
+        assert out["poll"] is True and out["async"] == 3.0
+        assert out["async_error"] is True and out["twice"] is True and out["a2a_bad"] is True

@@ -38,6 +38,10 @@ def _hvd_calls():
     inplace = t.clone()
     hvd.allreduce_(inplace, op=hvd.Sum, postscale_factor=2.0)
     out["inplace"] = inplace.item()
+    handle = hvd.allreduce_async_(t.clone(), average=False)
+    out["async"] = (hvd.poll(handle), hvd.synchronize(handle).item())
+    out["reducescatter"] = hvd.reducescatter(torch.ones(n, 2) * (r + 1), op=hvd.Sum).tolist()
+    out["alltoall"] = hvd.alltoall(torch.tensor([10 * r + j for j in range(n)])).tolist()
     errors = []
     for call in (lambda: hvd.allreduce(t, average=True, op=hvd.Sum),
                  lambda: hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1),
@@ -68,6 +72,8 @@ def test_the_hvd_module_keeps_horovods_calls_and_semantics(ring):
         assert out["gather"] == [0, 1, 1, 2, 2, 2]
         assert out["bcast"] == 1 and out["object"] == {"from": 1} and out["objects"] == [0, 1, 2]
         assert out["inplace"] == 12.0
+        assert out["async"] == (True, 6.0)
+        assert out["reducescatter"] == [[6.0, 6.0]] and out["alltoall"] == [10 * j + r for j in range(3)]
         assert out["cross"] == [(0, 2, 0, 2, False), (0, 1, 1, 2, False), (1, 2, 0, 1, False)][r]
         assert out["built"] == (True, False, True)
         assert [e.split(":")[0] for e in out["errors"]] == ["ValueError", "NotImplementedError",

@@ -5,7 +5,8 @@ A Horovod (elastic) PyTorch script runs with only its import line changed, under
 calls keep Horovod's names, signatures, defaults and semantics (``average=`` or
 ``op=``, ``prescale_factor`` / ``postscale_factor``, ``root_rank`` positional,
 mismatches as ``RuntimeError``); each maps onto ``elastic_ring`` and ``state``
-(docs/migration.md has the table). What elastic_ring does not offer is refused
+(docs/migration.md has the table). The ``_async`` calls run at the call and their
+handles are complete (:mod:`elastic_ring.handles`). What elastic_ring does not offer is refused
 with an error that says so and what to use instead, never ignored: Adasum,
 ``Product``, process sets other than the global one, ``sparse_as_dense`` and
 ``num_groups`` / ``groups``.
@@ -21,13 +22,16 @@ import elastic_ring as er
 from elastic_ring import runtime
 from elastic_ring.compression import Compression
 from elastic_ring.errors import NotInitializedError, TensorMismatchError
+from elastic_ring.handles import Handle, poll, synchronize
 from elastic_ring.ops import Average, Max, Min, ReduceOp, Sum
 
 from . import elastic
 
 __all__ = [
     "Adasum", "Average", "Product", "Compression", "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
-    "ProcessSet", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_", "barrier", "broadcast",
+    "ProcessSet", "Sum", "allgather", "allgather_async", "allreduce_async", "allreduce_async_", "alltoall",
+    "broadcast_async", "broadcast_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "poll", "reducescatter", "synchronize", "allgather_object", "allreduce", "allreduce_", "barrier", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
     "cuda_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allreduce",
     "grouped_allreduce_", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
@@ -252,6 +256,68 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     _global_only(process_set)
     with torch.no_grad():
         return er.broadcast_(tensor, root_rank, name=name)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Compression.none,
+                  op: ReduceOp | str = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    return grouped_reducescatter([tensor], name, compression, op, process_set, prescale_factor, postscale_factor)[0]
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression=Compression.none,
+                          op: ReduceOp | str = Average, process_set: Any = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    _global_only(process_set)
+    if compression is not Compression.none:
+        raise NotImplementedError("reducescatter with compression is not supported by elastic_ring; leave it out")
+    out = er.grouped_reducescatter(_scaled(tensors, prescale_factor), op=_op(None, op), name=name)
+    return _scaled(out, postscale_factor)
+
+
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set: Any = global_process_set):
+    _global_only(process_set)
+    return er.alltoall(tensor, splits, name=name)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = global_process_set):
+    return Handle(lambda: allreduce(tensor, average, name, Compression.none, op, prescale_factor, postscale_factor,
+                                    process_set))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = global_process_set):
+    return Handle(lambda: allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = global_process_set):
+    return Handle(lambda: grouped_allreduce(tensors, average, name, Compression.none, op, prescale_factor,
+                                            postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set: Any = global_process_set):
+    return Handle(lambda: grouped_allreduce_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                             process_set))
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set):
+    return Handle(lambda: allgather(tensor, name, process_set))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = global_process_set):
+    return Handle(lambda: broadcast(tensor, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = global_process_set):
+    return Handle(lambda: broadcast_(tensor, root_rank, name, process_set))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
