@@ -44,6 +44,7 @@ from .optimizer import DistributedOptimizer
 from .progress import set_progress
 from .report import report, set_reporter
 from .scatter import alltoall, grouped_reducescatter, reducescatter
+from .sync_batch_norm import SyncBatchNorm
 from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
 from .spec import RingSpec, StoreAddress
 from .store import StoreServer
@@ -60,5 +61,5 @@ __all__ = [
     "set_progress", "set_reporter", "shutdown", "size", "timeline",
     "allgather_async", "allreduce_async", "allreduce_async_", "alltoall", "broadcast_async", "broadcast_async_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "poll", "reducescatter",
-    "synchronize",
+    "synchronize", "SyncBatchNorm",
 ]

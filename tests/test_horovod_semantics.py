@@ -217,3 +217,54 @@ def test_reducescatter_alltoall_and_async_handles_as_in_horovod(ring):
         assert out["a2a_grad"] == [float(rank + 1)] * 6
         assert out["poll"] is True and out["async"] == 3.0
         assert out["async_error"] is True and out["twice"] is True and out["a2a_bad"] is True
+
+
+def _sync_batch_norm(sizes):
+    rank = er.rank()
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(sum(sizes), 3, 4, generator=g) * 3 + 1
+    start = sum(sizes[:rank])
+    x = full[start:start + sizes[rank]].clone().requires_grad_(True)
+    torch.manual_seed(0)
+    bn = er.SyncBatchNorm(3, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, -1.0, 3.0]))
+    upstream = torch.randn(sum(sizes), 3, 4, generator=g)[start:start + sizes[rank]]
+    y = bn(x)
+    (y * upstream).sum().backward()
+    weight_grad = er.allreduce(bn.weight.grad, op=er.Sum)  # the ranks' shares of the whole batch's gradient
+    return (y.detach(), x.grad, weight_grad, bn.running_mean.clone(), bn.running_var.clone(), full, upstream)
+
+
+def test_sync_batch_norm_equals_batch_norm_over_the_whole_rings_batch(ring):
+    sizes = [3, 5, 0]  # uneven, one rank empty
+    results = ring.run(_sync_batch_norm, sizes, world_size=3, timeout_s=60)
+    full = results[0][5]
+    x = full.clone().requires_grad_(True)
+    bn = torch.nn.BatchNorm1d(3, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, -1.0, 3.0]))
+    upstream = torch.cat([r[6] for r in results])
+    y = bn(x)
+    (y * upstream).sum().backward()
+    starts = [0, 3, 8]
+    for rank, (out, xgrad, wgrad, rmean, rvar, _, _) in enumerate(results):
+        part = slice(starts[rank], starts[rank] + sizes[rank])
+        assert torch.allclose(out, y.detach()[part], atol=1e-5)
+        assert torch.allclose(xgrad, x.grad[part], atol=1e-5)
+        assert torch.allclose(wgrad, bn.weight.grad, atol=1e-4)
+        assert torch.allclose(rmean, bn.running_mean, atol=1e-6) and torch.allclose(rvar, bn.running_var, atol=1e-5)
+
+
+def test_convert_sync_batchnorm_keeps_parameters_and_outside_a_ring_is_batch_norm():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
+    weight = model[1].weight
+    converted = er.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert isinstance(converted[1], er.SyncBatchNorm) and isinstance(converted[2][0], er.SyncBatchNorm)
+    assert converted[1].weight is weight
+    x = torch.randn(4, 1, 3, 3)
+    assert torch.allclose(converted[1](x.repeat(1, 2, 1, 1)),
+                          torch.nn.functional.batch_norm(x.repeat(1, 2, 1, 1), None, None, weight, model[1].bias,
+                                                         training=True), atol=1e-6)

@@ -24,12 +24,13 @@ from elastic_ring.compression import Compression
 from elastic_ring.errors import NotInitializedError, TensorMismatchError
 from elastic_ring.handles import Handle, poll, synchronize
 from elastic_ring.ops import Average, Max, Min, ReduceOp, Sum
+from elastic_ring.sync_batch_norm import SyncBatchNorm
 
 from . import elastic
 
 __all__ = [
     "Adasum", "Average", "Product", "Compression", "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
-    "ProcessSet", "Sum", "allgather", "allgather_async", "allreduce_async", "allreduce_async_", "alltoall",
+    "ProcessSet", "Sum", "SyncBatchNorm", "allgather", "allgather_async", "allreduce_async", "allreduce_async_", "alltoall",
     "broadcast_async", "broadcast_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "poll", "reducescatter", "synchronize", "allgather_object", "allreduce", "allreduce_", "barrier", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
