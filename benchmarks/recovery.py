@@ -261,7 +261,7 @@ def main() -> None:
             parser.exit(2, f"recovery: the Ray Train comparison needs ray.train, which does not import here ({exc});\n"
                            "pass --skip-ray-train, or install it: pip install 'ray[train]'\n")
     env = {"env_vars": {"PYTHONPATH": ROOT}}
-    lines = []
+    lines = _Lines()  # printed as they are measured: a later failure keeps what was measured before it
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=env)
     lines += ours_lines("one host", run_ours("one host", args, {}))
@@ -285,6 +285,19 @@ def main() -> None:
           f"loss allreduce; {args.runs} runs each; {EPOCHS} epochs of {SAMPLES} samples, batch {BATCH}; ours commit "
           f"{'every %d steps and at epoch ends' % args.commit_every if args.commit_every else 'only at epoch ends'}")
     print("\n".join(lines))
+
+
+class _Lines(list):
+    """Result lines, each printed (flushed) the moment it is added, and again in the final summary."""
+
+    def append(self, line: str) -> None:
+        print(f"... {line}", flush=True)
+        super().append(line)
+
+    def __iadd__(self, more):
+        for line in more:
+            self.append(line)
+        return self
 
 
 if __name__ == "__main__":
