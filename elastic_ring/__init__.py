@@ -39,7 +39,7 @@ from .handles import (
 )
 from .nccl_communicator import nccl_available
 from .object_collectives import allgather_object, broadcast_object, broadcast_tree
-from .ops import Average, Max, Min, ReduceOp, Sum
+from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .optimizer import DistributedOptimizer
 from .progress import set_progress
 from .report import report, set_reporter
@@ -53,7 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError", "Average", "CommError", "Communicator", "Compression", "Compressor", "DistributedOptimizer",
-    "ElasticRingError", "Max", "MembershipChanged", "Min", "NotInitializedError", "ReduceOp", "RendezvousError", "RingSpec", "RingStopped",
+    "ElasticRingError", "Max", "MembershipChanged", "Min", "NotInitializedError", "Product", "ReduceOp", "RendezvousError", "RingSpec", "RingStopped",
     "StoreAddress", "StoreServer", "Sum", "TensorMismatchError", "Work", "agree_max", "allgather", "allgather_object", "allreduce",
     "allreduce_", "auth", "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "broadcast_tree", "grouped_allreduce", "grouped_allreduce_", "grouped_broadcast_",

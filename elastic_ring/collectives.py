@@ -84,6 +84,25 @@ def _fused_allreduce(
     timeout_s: float | None,
     inplace: bool,
 ) -> list[torch.Tensor]:
+    return _launch_fused(comm, tensors, op, compressor, threshold_bytes, timeout_s, inplace, pooled=True).finish()
+
+
+class Pending:
+    """Buckets of one fused allreduce in flight: :meth:`done` polls, :meth:`finish` waits and returns the results."""
+
+    def __init__(self, works: list, finish) -> None:
+        self._works, self._finish = works, finish
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def finish(self) -> list[torch.Tensor]:
+        return self._finish()
+
+
+def _launch_fused(comm, tensors, op, compressor, threshold_bytes, timeout_s, inplace, pooled: bool) -> Pending:
+    """Launch the buckets; ``pooled``: reuse the ring's pooled buffers (only when the caller waits before its
+    next collective; an asynchronous caller gets buffers of its own)."""
     size = comm.size
     base_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
     buckets = fusion.plan_buckets(fusion.metas_of(tensors), threshold_bytes, compressor)
@@ -102,10 +121,15 @@ def _fused_allreduce(
         else:
             # In place, results are copied out, so pooled buffers can be reused;
             # otherwise the results are views of the buffer and it must be new.
-            target = _POOL.acquire(bucket, slot, owner=comm) if inplace else fusion.allocate(bucket)
+            target = _POOL.acquire(bucket, slot, owner=comm) if inplace and pooled else fusion.allocate(bucket)
             buffer = fusion.pack(bucket, tensors, target, divisor)
         work = comm.allreduce(buffer, base_op, timeout_s)
         in_flight.append((bucket, buffer, work, direct, prescale))
+    return Pending([work for _, _, work, _, _ in in_flight],
+                   lambda: _finish_fused(in_flight, tensors, op, size, inplace))
+
+
+def _finish_fused(in_flight, tensors, op, size, inplace) -> list[torch.Tensor]:
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for bucket, buffer, work, direct, prescale in in_flight:
         work.wait()
@@ -139,6 +163,29 @@ def _grouped_allreduce(tensors, op, name, compression, fusion_threshold_bytes, t
         return list(_AllreduceGrad.apply(comm, op, compressor, threshold, timeout_s, *tensors))
     with torch.no_grad():
         return _reduce(comm, list(tensors), op, compressor, threshold, timeout_s, inplace)
+
+
+def start_grouped_allreduce(tensors, op, name, compression, timeout_s, inplace, kind) -> Pending:
+    """Check and launch an allreduce without waiting for it (Horovod's ``_async``); ``finish()`` gives the
+    results. Dtypes reduced through a wider one, autograd and world size 1 complete at once."""
+    _check_tensors(tensors, kind)
+    op = ReduceOp.parse(op)
+    compressor = check_compressor(compression)
+    comm = runtime.current()
+    names = _names(tensors, name, kind)
+    verify_same(comm, f"{kind}(op={op.value}, compression={compressor.name})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
+    _check_reducible(tensors, names, op)
+    simple = (comm.size > 1 and not any(t.dtype in _WIDER for t in tensors)
+              and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    if not simple:
+        if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            out = list(_AllreduceGrad.apply(comm, op, compressor, FUSION_THRESHOLD_BYTES, timeout_s, *tensors))
+        else:
+            with torch.no_grad():
+                out = _reduce(comm, list(tensors), op, compressor, FUSION_THRESHOLD_BYTES, timeout_s, inplace)
+        return Pending([], lambda: out)
+    with torch.no_grad():
+        return _launch_fused(comm, list(tensors), op, compressor, FUSION_THRESHOLD_BYTES, timeout_s, inplace, pooled=False)
 
 
 def _reduce(comm, tensors, op, compressor, threshold, timeout_s, inplace) -> list[torch.Tensor]:

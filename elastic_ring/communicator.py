@@ -49,6 +49,10 @@ class Work(abc.ABC):
     def wait(self) -> None:
         """Block until the collective is done; raise :class:`CommError` if it failed."""
 
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """Whether the collective finished (or failed): :meth:`wait` will not block."""
+
 
 class Communicator(abc.ABC):
     """One round's communicator. Subclasses implement the ``_``-prefixed methods."""
@@ -88,7 +92,7 @@ class Communicator(abc.ABC):
 
     # ------------------------------------------------------------ collectives
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, timeout_s: float | None = None) -> Work:
-        """In-place SUM, MIN or MAX of a contiguous tensor over all ranks."""
+        """In-place SUM, MIN, MAX or PRODUCT of a contiguous tensor over all ranks."""
         if op is ReduceOp.AVERAGE:
             raise ValueError("backends reduce with SUM, MIN or MAX; averaging is done by elastic_ring.collectives")
         return self._guarded(self._allreduce, tensor, op, self._timeout(timeout_s))
@@ -215,6 +219,9 @@ class _GuardedWork(Work):
             self._end(failed=True)
             raise self._comm.fail(exc) from exc
         self._end(failed=False)
+
+    def is_completed(self) -> bool:
+        return self._comm.errored or self._comm.closed or self._work.is_completed()
 
     def _end(self, failed: bool) -> None:
         if self._event is not None:

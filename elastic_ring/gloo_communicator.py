@@ -54,6 +54,7 @@ _GLOO_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
 
 
@@ -99,6 +100,10 @@ class _GlooWork(Work):
 
     def release(self) -> None:
         self._work = None
+
+    def is_completed(self) -> bool:
+        work = self._work
+        return work is None or work.is_completed()
 
 
 class GlooCommunicator(Communicator):

@@ -34,10 +34,12 @@ contract:
   bucket (:mod:`elastic_ring.step_trailer`) and is read in
   :meth:`synchronize`, before the update is applied. Ranks at different steps
   (or with different plans of the same sizes) raise the full message on every
-  rank and the ring stays usable; a bucket that met another collective aborts
-  the ring. Where the slots cannot ride (op Min/Max, a wire dtype that cannot
-  sum the world size exactly), CUDA sends buckets at once and reads the
-  leading check's verdict in :meth:`synchronize` (CPU waits for it).
+  rank and the ring stays usable; a bucket that met another collective (slots
+  that are not this rank's plan) aborts the ring. On CUDA, a leading check
+  after a ring's first step (autotuning, a plan change, op Min/Max, a wire dtype
+  that cannot sum the world size exactly) does not hold the buckets back: its
+  verdict is read in :meth:`synchronize`; CPU waits for it, and so does
+  ``strict_checks=True`` everywhere.
 * A :class:`CommError` anywhere drops everything in flight and the buckets,
   sets every parameter's ``.grad`` to None (a retried step starts from clean
   gradients) and is tagged ``live_state_consistent = True``: it was raised
@@ -99,6 +101,7 @@ class GradReducer:
         self._autotune = autotune
         self._strict = strict_checks
         self._agreed_digest: int | None = None  # the plan a leading check of this ring agreed on
+        self._check_digest: int | None = None  # the plan the check in flight asks about
         self._world = 1
         self._tuner: Autotuner | None = None
         self.autotune_result: AutotuneResult | None = None
@@ -181,7 +184,8 @@ class GradReducer:
         """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
         restore): from now on this ring compares it in every step's check."""
         self.applied_steps = n
-        self._reset()  # a step in flight when the state was synced or restored is discarded on every rank
+        with self._lock:  # a verdict helper of an abandoned step must not accept after this reset
+            self._reset()  # a step in flight when the state was synced or restored is discarded on every rank
         self.micro_calls = 0
         self._synced_pending = False  # a step reduced before the sync and not applied is discarded, not consumed
         self._boundary_seen = False
@@ -215,7 +219,8 @@ class GradReducer:
 
     def discard_step(self) -> None:
         """Forget the step in flight (after a failure discarded it); in-flight buckets are dropped unwaited."""
-        self._reset()
+        with self._lock:
+            self._reset()
         self._synced_pending = False
         self.micro_calls = 0
         for p in self._params:
@@ -356,7 +361,8 @@ class GradReducer:
             return
         if self._in_bucket and self._comm_ref() is comm:
             # the lean path: no helper thread shares this step (its agreement rides in the last bucket), so no
-            # lock, no check, no verdict: count the gradient, adopt it, launch what is ready
+            # lock, no check, no verdict: count the gradient, adopt it, launch what is ready. Hooks run on one
+            # autograd thread: the parameters of a ring are on one device (the NCCL backend refuses others)
             try:
                 self._count_ready(self._position[id(param)], comm)
             except CommError as exc:
@@ -397,6 +403,7 @@ class GradReducer:
         value = self._tuner.outgoing() if self._tuner is not None else 0
         boundary = int(bool(self.boundary_ask is not None and self.boundary_ask()))
         step = self.applied_steps if self._step_armed else None
+        self._check_digest = self._digest  # what this check agrees on (the plan cannot change before its answer)
         check = start_check(comm, self._kind, self._entries, None, values=[value, boundary], step=step,
                             digest=self._digest, step_slots=True)
         if helper:
@@ -415,7 +422,7 @@ class GradReducer:
 
     def _accept(self, values: list[int]) -> None:
         self._verified = True
-        self._agreed_digest = self._digest
+        self._agreed_digest = self._check_digest
         self._boundary_seen = bool(values[1])
         if self._tuner is not None:
             self._tuner.incoming(values[0])
@@ -515,11 +522,12 @@ class GradReducer:
 
     def _read_trailer(self, comm: Communicator, layout: GradLayout) -> None:
         """After the last bucket: every rank reads the same sums, so all agree, or all raise the same way."""
-        verdict = step_trailer.decode(layout.trailer.tolist(), comm.size)
+        step = self.applied_steps if self._step_armed else None
+        verdict = step_trailer.decode(layout.trailer.tolist(), comm.size, self._digest, step)
         if verdict.agreed:
             self._boundary_seen = verdict.boundary
             return
-        if verdict.foreign:  # a bucket met another collective somewhere: what the ring holds is not trusted
+        if verdict.foreign or not verdict.same_plan:  # a bucket met another collective: the ring is not trusted
             self._layout = None
             comm.abort()
             raise TensorMismatchError(
@@ -528,7 +536,7 @@ class GradReducer:
                 "agreement carried in that bucket, after the buckets were sent, so the ring was aborted. Every "
                 "rank must make the same calls in the same order; DistributedOptimizer(strict_checks=True) checks "
                 "before sending anything and names the call each rank made")
-        step = self.applied_steps if self._step_armed else None  # the buckets matched: the ring is usable
+        # only the steps differ (the plan is this rank's on every rank): the buckets matched, the ring is usable
         raise TensorMismatchError(exchange_message(comm, self._kind, self._entries, step,
                                                    comm.spec.collective_timeout_s))
 

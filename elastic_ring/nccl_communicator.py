@@ -80,7 +80,8 @@ for _name, _code in (("uint32", nccl_lib.UINT32), ("uint64", nccl_lib.UINT64)):
     if hasattr(torch, _name):
         _REDUCE_DTYPES[getattr(torch, _name)] = _code
 
-_REDUCE_OPS = {ReduceOp.SUM: nccl_lib.SUM, ReduceOp.MIN: nccl_lib.MIN, ReduceOp.MAX: nccl_lib.MAX}
+_REDUCE_OPS = {ReduceOp.SUM: nccl_lib.SUM, ReduceOp.MIN: nccl_lib.MIN, ReduceOp.MAX: nccl_lib.MAX,
+               ReduceOp.PRODUCT: nccl_lib.PROD}
 
 
 def reduce_dtype(dtype: torch.dtype) -> int:
@@ -96,7 +97,7 @@ def reduce_op(op: ReduceOp) -> int:
     try:
         return _REDUCE_OPS[op]
     except KeyError:
-        raise ValueError(f"the NCCL backend reduces with SUM, MIN or MAX, got {op}") from None
+        raise ValueError(f"the NCCL backend reduces with SUM, MIN, MAX or PRODUCT, got {op}") from None
 
 
 def check_unique_id(value: object, identity: str) -> bytes:
@@ -166,6 +167,9 @@ class _NcclWork(Work):
         self._event.synchronize()
         self._comm.raise_if_failed()
         torch.cuda.current_stream(self._comm.device).wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return self._comm.errored or self._event.query()
 
 
 # ---------------------------------------------------------------- communicator

@@ -12,6 +12,7 @@ class ReduceOp(enum.Enum):
     AVERAGE = "average"
     MIN = "min"
     MAX = "max"
+    PRODUCT = "product"
 
     @classmethod
     def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
@@ -30,3 +31,4 @@ Sum = ReduceOp.SUM
 Average = ReduceOp.AVERAGE
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT

@@ -293,6 +293,9 @@ def DistributedOptimizer(
     if autotune is not None and not isinstance(autotune, bool):
         raise ValueError(f"autotune={autotune!r} must be True, False or None (None: on unless fusion_threshold_bytes is given)")
     op = ReduceOp.parse(op)
+    if op is ReduceOp.PRODUCT:
+        raise ValueError("DistributedOptimizer reduces gradients with op=Average, Sum, Min or Max; op=Product is "
+                         "for er.allreduce")
     compressor = check_compressor(compression)
     named = _named_parameters(optimizer, named_parameters)
     if autotune is None:

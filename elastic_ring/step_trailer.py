@@ -21,7 +21,10 @@ that the bucket's SUM reduces along with the gradients:
 Every partial sum is an integer no larger than the world size, so the
 reduction is exact in any float dtype whose integers are exact up to that size
 (:func:`supports`); the slots never touch the gradients (they follow them).
-:func:`decode` is a pure function of the summed slots and the world size.
+:func:`decode` is a pure function of the summed slots and the world size. The
+reducer treats a plan that differs as foreign data too: a step rides in its last
+bucket only after a leading check of the ring agreed on the plan, so honest
+ranks cannot differ there.
 """
 
 from __future__ import annotations
@@ -69,16 +72,25 @@ class Verdict:
         return not self.foreign and self.same_plan and self.same_step
 
 
-def decode(sums: list[float], world_size: int) -> Verdict:
-    """Read the reduced slots of a world of ``world_size`` ranks."""
+def decode(sums: list[float], world_size: int, digest: int | None = None, step: int | None = None) -> Verdict:
+    """Read the reduced slots of a world of ``world_size`` ranks. With this rank's own ``digest`` (and
+    ``step``, if it sent one), every rank must have sent exactly those: data that merely looks consistent
+    (a foreign all-ones tensor) does not pass for agreement."""
     if len(sums) != SLOTS or any(s != s for s in sums):  # NaN: the slots met foreign data
         return Verdict(True, False, False, False)
     values = [int(s) if float(s).is_integer() else -1 for s in sums]
-    present, boundary, digest, compared, step = values[0], values[1], values[2:2 + BITS], values[2 + BITS], values[3 + BITS:]
+    present, boundary, plan_bits, compared, step_bits = (values[0], values[1], values[2:2 + BITS], values[2 + BITS],
+                                                         values[3 + BITS:])
     if present != world_size or not 0 <= boundary <= world_size or not 0 <= compared <= world_size:
         return Verdict(True, False, False, False)
-    same_plan = all(v in (0, world_size) for v in digest)
-    same_step = all(v in (0, compared) for v in step)
-    if any(v < 0 or v > world_size for v in digest + step):
-        return Verdict(True, False, False, False)
+    if any(v < 0 or v > world_size for v in plan_bits) or any(v < 0 or v > compared for v in step_bits):
+        return Verdict(True, False, False, False)  # sums no honest ranks can produce
+    if digest is None:
+        same_plan = all(v in (0, world_size) for v in plan_bits)
+    else:
+        same_plan = plan_bits == [world_size * ((digest >> k) & 1) for k in range(BITS)]
+    if step is None:
+        same_step = all(v in (0, compared) for v in step_bits)
+    else:
+        same_step = step_bits == [compared * (((step & _MASK) >> k) & 1) for k in range(BITS)]
     return Verdict(False, same_plan, same_step, boundary > 0)

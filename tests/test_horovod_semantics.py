@@ -183,8 +183,20 @@ def _scatter_and_alltoall():
     got.sum().backward()
     out["a2a_grad"] = y.grad[:, 0].tolist()
     handle = er.allreduce_async(torch.tensor([float(rank)]), op=er.Sum)
-    out["poll"] = er.poll(handle)
+    out["poll"] = isinstance(er.poll(handle), bool)
     out["async"] = er.synchronize(handle).item()
+    # in flight while other collectives run: its buffers are its own, never the ring's pooled ones
+    a = [torch.full((1000,), float(rank + 1)), torch.full((10,), 2.0)]
+    pending = er.grouped_allreduce_async_(a, op=er.Sum)
+    b = [torch.full((1000,), 5.0), torch.full((10,), 7.0)]
+    er.grouped_allreduce_(b, op=er.Sum)  # the same sizes, in place: the pooled path
+    import time
+    deadline = time.monotonic() + 30
+    while not er.poll(pending) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["pending_done"] = er.poll(pending)
+    result = er.synchronize(pending)
+    out["pending"] = (result[0] is a[0], a[0][:2].tolist(), a[1][:2].tolist(), b[0][:1].tolist())
     bad = er.allreduce_async(torch.ones(2 + rank), name="uneven")
     try:
         er.synchronize(bad)
@@ -216,6 +228,7 @@ def test_reducescatter_alltoall_and_async_handles_as_in_horovod(ring):
         # a row sent to rank j comes back weighted by the multiplier of... this rank itself (it sent y * (rank+1))
         assert out["a2a_grad"] == [float(rank + 1)] * 6
         assert out["poll"] is True and out["async"] == 3.0
+        assert out["pending_done"] is True and out["pending"] == (True, [6.0, 6.0], [6.0, 6.0], [15.0])
         assert out["async_error"] is True and out["twice"] is True and out["a2a_bad"] is True
 
 

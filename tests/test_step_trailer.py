@@ -30,14 +30,33 @@ DECODE_TABLE = [
 
 @pytest.mark.parametrize("ranks, world, foreign, same_plan, same_step, boundary", DECODE_TABLE)
 def test_decode(ranks, world, foreign, same_plan, same_step, boundary):
-    verdict = decode(summed(*ranks), world)
+    verdict = decode(summed(*ranks), world)  # a reader that only knows the sums
     assert (verdict.foreign, verdict.same_plan, verdict.same_step, verdict.boundary) == (
         foreign, same_plan, same_step, boundary)
     assert verdict.agreed == (not foreign and same_plan and same_step)
 
 
+@pytest.mark.parametrize("mine, ranks, same_plan, same_step", [
+    ((D, 7), [encode(D, 7, False)] * 2, True, True),
+    ((D, 7), [encode(E, 7, False)] * 2, False, True),      # every other rank agrees among itself, not with me
+    ((D, 7), [encode(D, 8, False)] * 2, True, False),
+    ((D, None), [encode(D, None, False), encode(D, 3, False)], True, True),  # I send no step: not compared
+    ((D, 3), [encode(D, None, False), encode(D, 3, False)], True, True),
+])
+def test_decode_against_this_ranks_own_plan_and_step(mine, ranks, same_plan, same_step):
+    verdict = decode(summed(*ranks), len(ranks), *mine)
+    assert (verdict.foreign, verdict.same_plan, verdict.same_step) == (False, same_plan, same_step)
+
+
+def test_a_foreign_all_ones_tensor_is_not_agreement_for_a_rank_that_knows_its_plan():
+    ones = summed([1.0] * SLOTS, [1.0] * SLOTS)
+    assert decode(ones, 2).agreed              # it looks consistent to a reader of the sums alone
+    assert not decode(ones, 2, D, 7).agreed    # not to the reducer, which compares with its own plan
+
+
 @pytest.mark.parametrize("sums", [
     [float("nan")] * SLOTS,                         # gradients of another collective
+    summed(encode(D, 7, False), encode(D, None, False))[:35] + [2.0] * 32,  # step bits summed by a rank not compared
     [0.37] * SLOTS,                                 # not integers
     [2.0, 0.0] + [3.0] * (SLOTS - 2),               # a bit summed beyond the world size
     [2.0] * (SLOTS - 1),                            # the wrong length
@@ -152,14 +171,18 @@ def _a_plan_of_the_same_sizes_that_differs():
         message = str(exc)
     else:
         message = None
-    er.barrier()  # the buckets had the same sizes: the ring is still usable
-    return message
+    try:
+        er.barrier()
+        after = "usable"
+    except er.CommError:
+        after = "aborted"
+    return message, after
 
 
-def test_a_plan_that_differs_in_the_slots_names_every_ranks_call(ring):
-    messages = ring.run(_a_plan_of_the_same_sizes_that_differs, world_size=2, timeout_s=60)
-    assert messages[0] == messages[1] and "called different collectives" in messages[0], messages
-    assert "rank 1: DistributedOptimizer step of another model" in messages[0]
+def test_a_plan_that_differs_in_the_slots_is_treated_as_foreign_data_and_aborts_the_ring(ring):
+    # honest ranks cannot differ there (the ring's leading check agreed on the plan): the ring is not trusted
+    for message, after in ring.run(_a_plan_of_the_same_sizes_that_differs, world_size=2, timeout_s=60):
+        assert message is not None and "met a different collective" in message and after == "aborted"
 
 
 def _min_op_keeps_the_leading_check():

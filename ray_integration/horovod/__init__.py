@@ -5,10 +5,10 @@ A Horovod (elastic) PyTorch script runs with only its import line changed, under
 calls keep Horovod's names, signatures, defaults and semantics (``average=`` or
 ``op=``, ``prescale_factor`` / ``postscale_factor``, ``root_rank`` positional,
 mismatches as ``RuntimeError``); each maps onto ``elastic_ring`` and ``state``
-(docs/migration.md has the table). The ``_async`` calls run at the call and their
-handles are complete (:mod:`elastic_ring.handles`). What elastic_ring does not offer is refused
+(docs/migration.md has the table). The ``_async`` calls are launched at the call and
+paired by call order (:mod:`elastic_ring.handles`). What elastic_ring does not offer is refused
 with an error that says so and what to use instead, never ignored: Adasum,
-``Product``, process sets other than the global one, ``sparse_as_dense`` and
+process sets other than the global one, ``sparse_as_dense`` and
 ``num_groups`` / ``groups``.
 """
 
@@ -23,14 +23,15 @@ from elastic_ring import runtime
 from elastic_ring.compression import Compression
 from elastic_ring.errors import NotInitializedError, TensorMismatchError
 from elastic_ring.handles import Handle, poll, synchronize
-from elastic_ring.ops import Average, Max, Min, ReduceOp, Sum
+from elastic_ring.ops import Average, Max, Min, Product, ReduceOp, Sum
 from elastic_ring.sync_batch_norm import SyncBatchNorm
 
 from . import elastic
 
 __all__ = [
     "Adasum", "Average", "Product", "Compression", "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
-    "ProcessSet", "Sum", "SyncBatchNorm", "allgather", "allgather_async", "allreduce_async", "allreduce_async_", "alltoall",
+    "ProcessSet", "Sum", "SyncBatchNorm", "allgather", "alltoall_async", "ccl_built", "ddl_built",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter_async", "reducescatter_async", "allgather_async", "allreduce_async", "allreduce_async_", "alltoall",
     "broadcast_async", "broadcast_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "poll", "reducescatter", "synchronize", "allgather_object", "allreduce", "allreduce_", "barrier", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank", "cross_size",
@@ -41,7 +42,6 @@ __all__ = [
 
 #: Horovod's ops that elastic_ring does not have: accepted as names, refused with a clear error where used.
 Adasum = "adasum"
-Product = "product"
 
 #: Horovod's exception names, for ``except`` clauses in ported scripts: a lost peer / a membership change.
 HorovodInternalError = er.CommError
@@ -186,21 +186,39 @@ def rocm_built() -> bool:
     return False
 
 
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
 # ------------------------------------------------------------------ collectives
 def _op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
     if average is not None and op is not None:
         raise ValueError("The op parameter supersedes average; please provide only one of them.")
     if op is None:
         return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
-    if isinstance(op, str) and op.lower() in ("adasum", "product"):
-        raise NotImplementedError(f"op={op} is not supported by elastic_ring; use hvd.Average or hvd.Sum")
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("op=Adasum is not supported by elastic_ring; use hvd.Average (and the learning "
+                                  "rate scaled by hvd.size())")
     return ReduceOp.parse(op)
 
 
-def _scaled(tensors: Sequence[torch.Tensor], factor: float) -> list[torch.Tensor]:
+def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Horovod's scaling: integers in float64 and back (truncating), half precision in float32 and back."""
     if factor == 1.0:
-        return list(tensors)
-    return [t * factor for t in tensors]
+        return t
+    if not t.is_floating_point():
+        return (t.to(torch.float64) * factor).to(t.dtype)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return (t.float() * factor).to(t.dtype)
+    return t * factor
+
+
+def _scaled(tensors: Sequence[torch.Tensor], factor: float) -> list[torch.Tensor]:
+    return [_scale(t, factor) for t in tensors]
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -231,19 +249,23 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
     _global_only(process_set)
     with torch.no_grad():
-        if prescale_factor != 1.0:
-            for t in tensors:
-                t.mul_(prescale_factor)
+        for t in tensors:
+            t.copy_(_scale(t, prescale_factor))
         er.grouped_allreduce_(list(tensors), op=_op(average, op), name=name)
-        if postscale_factor != 1.0:
-            for t in tensors:
-                t.mul_(postscale_factor)
+        for t in tensors:
+            t.copy_(_scale(t, postscale_factor))
     return list(tensors)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
     _global_only(process_set)
     return er.allgather(tensor, name=name)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: Any = global_process_set) -> list[torch.Tensor]:
+    _global_only(process_set)
+    return [er.allgather(t, name=None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -283,32 +305,66 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set):
-    return Handle(lambda: allreduce(tensor, average, name, Compression.none, op, prescale_factor, postscale_factor,
-                                    process_set))
+    _global_only(process_set)
+    if prescale_factor == postscale_factor == 1.0:  # launched now, runs while the script works
+        return er.allreduce_async(tensor, op=_op(average, op), name=name)
+    return Handle(lambda: allreduce(tensor, average, name, Compression.none, op, prescale_factor, postscale_factor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set):
-    return Handle(lambda: allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    _global_only(process_set)
+    if prescale_factor == postscale_factor == 1.0:
+        return er.allreduce_async_(tensor, op=_op(average, op), name=name)
+    return Handle(lambda: allreduce_(tensor, average, name, op, prescale_factor, postscale_factor))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = global_process_set):
+    _global_only(process_set)
+    if prescale_factor == postscale_factor == 1.0:
+        return er.grouped_allreduce_async(list(tensors), op=_op(average, op), name=name)
     return Handle(lambda: grouped_allreduce(tensors, average, name, Compression.none, op, prescale_factor,
-                                            postscale_factor, process_set))
+                                            postscale_factor))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: Any = global_process_set):
-    return Handle(lambda: grouped_allreduce_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                             process_set))
+    _global_only(process_set)
+    if prescale_factor == postscale_factor == 1.0:
+        return er.grouped_allreduce_async_(list(tensors), op=_op(average, op), name=name)
+    return Handle(lambda: grouped_allreduce_(tensors, average, name, op, prescale_factor, postscale_factor))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set):
     return Handle(lambda: allgather(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: Any = global_process_set):
+    return Handle(lambda: grouped_allgather(tensors, name, process_set))
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | str = Average,
+                        process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0):
+    return Handle(lambda: reducescatter(tensor, name, Compression.none, op, process_set, prescale_factor,
+                                        postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: ReduceOp | str = Average, process_set: Any = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    return Handle(lambda: grouped_reducescatter(tensors, name, Compression.none, op, process_set, prescale_factor,
+                                                postscale_factor))
+
+
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set: Any = global_process_set):
+    return Handle(lambda: alltoall(tensor, splits, name, process_set))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
