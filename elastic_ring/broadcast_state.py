@@ -51,20 +51,23 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """As Horovod: an optimizer that never stepped has no state yet (no momentum buffers, no Adam moments), so
-    it takes one local step on zero gradients first, and every rank then holds root's state tensors. Unlike
-    Horovod, the parameters and gradients are restored afterwards: the step changes no weight (weight decay
-    would have). A DistributedOptimizer takes its wrapped optimizer's own step: no collective, no count."""
+    it takes one local step on zero gradients first, and every rank then holds root's state tensors; the
+    gradients stay zeros, as Horovod leaves them. Unlike Horovod, the parameters are restored afterwards: the
+    step changes no weight (weight decay would have). A DistributedOptimizer takes its wrapped optimizer's own
+    step: no collective, no count."""
     if optimizer.state_dict()["state"]:
         return
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    saved = [(p.grad, p.detach().clone()) for p in params]
+    saved = [p.detach().clone() for p in params]
     for p in params:
-        p.grad = torch.zeros_like(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
     step = super(_DistributedMixin, optimizer).step if isinstance(optimizer, _DistributedMixin) else optimizer.step
     try:
         step()
     finally:
         with torch.no_grad():
-            for p, (grad, value) in zip(params, saved):
+            for p, value in zip(params, saved):
                 p.copy_(value)
-                p.grad = grad

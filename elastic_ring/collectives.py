@@ -363,7 +363,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None, timeout_s: float | 
 
     The first dimension may differ per rank; the other dimensions and the
     dtype must match. Differentiable as in Horovod: the gradient is this
-    rank's slice of the sum of every rank's gradient.
+    rank's slice of the *average* of every rank's gradient (Horovod's
+    convention, which treats each rank's loss as a share of an averaged one).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allgather expects a torch.Tensor, got {type(tensor).__name__}")
@@ -383,8 +384,8 @@ class _AllgatherGrad(torch.autograd.Function):
     def backward(ctx, grad):
         rows = allgather(torch.tensor([ctx.rows]), name=f"{ctx.name or 'allgather'}.grad.rows", timeout_s=ctx.timeout_s)
         offset = int(rows[: runtime.rank()].sum())
-        summed = allreduce(grad.contiguous(), op="sum", name=f"{ctx.name or 'allgather'}.grad", timeout_s=ctx.timeout_s)
-        return summed.narrow(0, offset, ctx.rows), None, None
+        averaged = allreduce(grad.contiguous(), op=Average, name=f"{ctx.name or 'allgather'}.grad", timeout_s=ctx.timeout_s)
+        return averaged.narrow(0, offset, ctx.rows), None, None
 
 
 def _allgather(tensor: torch.Tensor, name: str | None, timeout_s: float | None) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 * :func:`reducescatter` reduces over the ranks and gives rank ``r`` its block of
   the first dimension: ``n // size`` rows, one more for the first ``n % size``
-  ranks (Horovod's split). Differentiable: the gradient is the allgather of the
-  gradient (divided by the world size for an average).
+  ranks (Horovod's split). Differentiable with Horovod's gradient: the allgather
+  of the gradient, times the world size for a sum (Horovod's convention, as for
+  its allgather: each rank's loss counts as a share of an averaged one).
 * :func:`alltoall` sends ``splits[j]`` rows of the first dimension to rank
   ``j`` (equal splits when ``splits`` is None) and returns what every rank sent
   to this one, in rank order, and (with ``splits``) how many rows came from
@@ -79,7 +80,7 @@ class _ReducescatterGrad(torch.autograd.Function):
         out = []
         for g in grads:
             full = allgather(g.contiguous(), name=f"{ctx.name or 'reducescatter'}.grad", timeout_s=ctx.timeout_s)
-            out.append(full / size if ctx.op is ReduceOp.AVERAGE else full)
+            out.append(full * size if ctx.op is ReduceOp.SUM else full)
         return (None, None, None, *out)
 
 

@@ -79,6 +79,13 @@ def _global_only(process_set: Any) -> None:
 
 
 # ------------------------------------------------------------------ init and topology
+class _Session:
+    """Whether this script called hvd.shutdown() since its last hvd.init() (Horovod's is_initialized() then says
+    False and rank() raises; the ring itself belongs to the launcher and stays)."""
+
+    shut = False
+
+
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Form (or join) this worker's ring. There is nothing to configure: the launcher or ElasticTrainer did."""
     if comm is not None:
@@ -89,17 +96,22 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         runtime.current()
     except NotInitializedError:
         raise NotInitializedError("hvd.init() found no ring to join: " + _LAUNCH) from None
+    _Session.shut = False
 
 
 def shutdown() -> None:
-    """A no-op: the ring belongs to the launcher (Horovod scripts call it at exit)."""
+    """As Horovod's, for this script: ``is_initialized()`` is False and ``rank()`` raises until ``init()``.
+    The ring belongs to the launcher and stays (Horovod scripts call this at exit)."""
+    _Session.shut = True
 
 
 def is_initialized() -> bool:
-    return er.is_initialized()
+    return er.is_initialized() and not _Session.shut
 
 
 def _spec():
+    if _Session.shut:
+        raise ValueError("Horovod has not been initialized; use hvd.init() (it was shut down)")
     try:
         return runtime.current().spec
     except NotInitializedError:
@@ -418,8 +430,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if sparse_as_dense:
         raise NotImplementedError("sparse_as_dense is not supported by elastic_ring: use dense embeddings "
                                   "(nn.Embedding(sparse=False))")
-    return er.DistributedOptimizer(optimizer, named_parameters, compression=compression,
-                                   backward_passes_per_step=backward_passes_per_step, op=_op(None, op))
+    wrapped = er.DistributedOptimizer(optimizer, named_parameters, compression=compression,
+                                      backward_passes_per_step=backward_passes_per_step, op=_op(None, op))
+    reducer = wrapped._er_reducer
+    wrapped._parameter_names = dict(zip(reducer._params, reducer._names))  # Horovod's attribute: parameter -> name
+    return wrapped
 
 
 _ = TensorMismatchError  # re-exported through elastic_ring; kept importable here for `except` clauses
