@@ -63,6 +63,10 @@ class Communicator(abc.ABC):
         self._closed = False
         self._lock = threading.Lock()
         self._payloads = 0
+        #: ``WeakMethod``s called before every checked collective (signature.PendingCheck): a DistributedOptimizer
+        #: whose ready buckets wait for a step check's answer on the helper thread launches them first, so that a
+        #: collective the loop calls between backward() and step() comes after them on every rank.
+        self.before_check: list = []
 
     # ------------------------------------------------------------ properties
     @property

@@ -313,6 +313,7 @@ class GradReducer:
         # in a ring on which the state layer re-based it (set_applied_steps after a sync or a restore)
         self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
         self._comm_ref = weakref.ref(comm)
+        comm.before_check.append(weakref.WeakMethod(self._launch_gated))
         self._world = comm.size
         self._agreed_digest = None  # a new ring's first step is checked before any bucket is sent
         self._on_cpu = comm.device.type == "cpu"
@@ -411,6 +412,19 @@ class GradReducer:
                                           comm.spec.collective_timeout_s + 10.0)
         else:
             self._check = check
+
+    def _launch_gated(self) -> None:
+        """Before another collective is checked (the loop's own, between backward() and step()): let the helper
+        launch the buckets that wait for this step's verdict, so that they precede it on every rank (which
+        buckets are ready is the same on every rank once backward is done). What the verdict met is raised later
+        by the hooks or synchronize()."""
+        waiter = self._verdict
+        if waiter is None or waiter.done:
+            return
+        try:
+            waiter.settle()
+        except CommError:
+            pass  # the deadline passed: synchronize() raises it
 
     def _on_verdict(self, comm: Communicator, waiter: VerdictWaiter, values: list[int]) -> None:
         """On the helper thread, once every rank said yes: launch what became ready meanwhile."""

@@ -88,6 +88,10 @@ class PendingCheck:
         if len(slots) > VALUE_SLOTS or any(v < 0 for v in self._values):
             raise ValueError(f"a check carries at most {VALUE_SLOTS} non-negative values (a step takes two), got {slots}")
         padded = [self._hash, -self._hash] + slots + [0] * (VALUE_SLOTS - len(slots))
+        for ref in list(getattr(comm, "before_check", ())):  # gradient buckets gated on a helper launch first
+            settle = ref()
+            if settle is not None:
+                settle()
         host = torch.tensor(padded, dtype=torch.int64)
         if comm.device.type == "cuda":
             self._probe = host.pin_memory().to(comm.device, non_blocking=True)

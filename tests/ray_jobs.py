@@ -68,10 +68,15 @@ def train(config: dict):
                 idx = torch.tensor(batch, dtype=torch.long)
                 optimizer.zero_grad()
                 ((model(xs[idx]) - ys[idx]) ** 2).sum().backward()
-                optimizer.step()
                 hits = torch.zeros(N_SAMPLES)
                 hits[idx] += 1
-                state.seen = state.seen + er.allreduce(hits, op=er.Sum)
+                # reduced before the step and added right after it, with no collective in between: a failure in
+                # this allreduce discards the step in flight like one in a bucket, and after the apply nothing can
+                # fail before `seen` has it (a value updated *after* a collective of the loop's own could lag one
+                # step: docs/elasticity.md, "A step is a transaction")
+                reduced = er.allreduce(hits, op=er.Sum)
+                optimizer.step()
+                state.seen = state.seen + reduced
                 state.sampler.record_batch()
                 state.step += 1
                 er.report(step=state.step, epoch=state.epoch)

@@ -207,8 +207,9 @@ def test_reduce_dtype_refuses_with_the_fix(dtype):
 
 
 def test_reduce_op():
-    assert [reduce_op(o) for o in (er.Sum, er.Min, er.Max)] == [nccl_lib.SUM, nccl_lib.MIN, nccl_lib.MAX]
-    with pytest.raises(ValueError, match="SUM, MIN or MAX"):
+    assert [reduce_op(o) for o in (er.Sum, er.Min, er.Max, er.Product)] == [nccl_lib.SUM, nccl_lib.MIN, nccl_lib.MAX,
+                                                                            nccl_lib.PROD]
+    with pytest.raises(ValueError, match="SUM, MIN, MAX or PRODUCT"):
         reduce_op(er.Average)
 
 

@@ -207,3 +207,22 @@ def test_ops_whose_reduction_cannot_carry_the_slots_keep_a_leading_check_every_s
 def test_strict_checks_is_validated():
     with pytest.raises(ValueError, match="strict_checks='yes' must be True or False"):
         er.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), strict_checks="yes")
+
+
+def _collective_between_backward_and_step(strict):
+    model, opt = _model_and_opt(strict_checks=strict)
+    total = torch.zeros(1)
+    for seed in range(8):
+        opt.zero_grad()
+        model(torch.randn(3, 6, generator=torch.Generator().manual_seed(seed))).pow(2).sum().backward()
+        # the loop's own collective while ready buckets may still wait for the step check's answer (helper thread)
+        total += er.allreduce(torch.ones(1), op=er.Sum)
+        opt.step()
+    return total.item(), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["first-step-checked", "every-step-checked"])
+def test_a_collective_between_backward_and_step_never_races_the_gated_buckets(ring, strict):
+    results = ring.run(_collective_between_backward_and_step, strict, world_size=3, timeout_s=60)
+    assert [total for total, _ in results] == [24.0] * 3
+    assert all(torch.equal(a, b) for _, params in results[1:] for a, b in zip(results[0][1], params))
