@@ -151,23 +151,20 @@ def _finish_fused(in_flight, tensors, op, size, inplace) -> list[torch.Tensor]:
 
 
 def _grouped_allreduce(tensors, op, name, compression, fusion_threshold_bytes, timeout_s, inplace, kind):
-    _check_tensors(tensors, kind)
-    op = ReduceOp.parse(op)
-    compressor = check_compressor(compression)
-    comm = runtime.current()
-    names = _names(tensors, name, kind)
-    verify_same(comm, f"{kind}(op={op.value}, compression={compressor.name})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
-    _check_reducible(tensors, names, op)
     threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
-    if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return list(_AllreduceGrad.apply(comm, op, compressor, threshold, timeout_s, *tensors))
-    with torch.no_grad():
-        return _reduce(comm, list(tensors), op, compressor, threshold, timeout_s, inplace)
+    return _checked_allreduce(tensors, op, name, compression, threshold, timeout_s, inplace, kind, wait=True).finish()
 
 
 def start_grouped_allreduce(tensors, op, name, compression, timeout_s, inplace, kind) -> Pending:
     """Check and launch an allreduce without waiting for it (Horovod's ``_async``); ``finish()`` gives the
     results. Dtypes reduced through a wider one, autograd and world size 1 complete at once."""
+    return _checked_allreduce(tensors, op, name, compression, FUSION_THRESHOLD_BYTES, timeout_s, inplace, kind,
+                              wait=False)
+
+
+def _checked_allreduce(tensors, op, name, compression, threshold, timeout_s, inplace, kind, wait: bool) -> Pending:
+    """Every allreduce: validate, check the signature with the peers, then reduce (through autograd when a tensor
+    needs it). ``wait=False`` leaves a plain fused reduction in flight, on buffers of its own."""
     _check_tensors(tensors, kind)
     op = ReduceOp.parse(op)
     compressor = check_compressor(compression)
@@ -175,17 +172,14 @@ def start_grouped_allreduce(tensors, op, name, compression, timeout_s, inplace, 
     names = _names(tensors, name, kind)
     verify_same(comm, f"{kind}(op={op.value}, compression={compressor.name})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
     _check_reducible(tensors, names, op)
-    simple = (comm.size > 1 and not any(t.dtype in _WIDER for t in tensors)
-              and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
-    if not simple:
-        if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            out = list(_AllreduceGrad.apply(comm, op, compressor, FUSION_THRESHOLD_BYTES, timeout_s, *tensors))
-        else:
-            with torch.no_grad():
-                out = _reduce(comm, list(tensors), op, compressor, FUSION_THRESHOLD_BYTES, timeout_s, inplace)
+    if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out = list(_AllreduceGrad.apply(comm, op, compressor, threshold, timeout_s, *tensors))
         return Pending([], lambda: out)
     with torch.no_grad():
-        return _launch_fused(comm, list(tensors), op, compressor, FUSION_THRESHOLD_BYTES, timeout_s, inplace, pooled=False)
+        if not wait and comm.size > 1 and not any(t.dtype in _WIDER or t.requires_grad for t in tensors):
+            return _launch_fused(comm, list(tensors), op, compressor, threshold, timeout_s, inplace, pooled=False)
+        out = _reduce(comm, list(tensors), op, compressor, threshold, timeout_s, inplace)
+    return Pending([], lambda: out)
 
 
 def _reduce(comm, tensors, op, compressor, threshold, timeout_s, inplace) -> list[torch.Tensor]:

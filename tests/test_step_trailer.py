@@ -98,19 +98,25 @@ def _step(model, opt, seed):
     opt.step()
 
 
-def _count_checks_and_train(strict, steps=6):
+def _train_counting_checks(steps, **options):
+    """Train ``steps`` steps; return the model, the optimizer and how many leading checks the reducer started."""
     from elastic_ring import grad_reducer
 
     calls = []
     original = grad_reducer.start_check
     grad_reducer.start_check = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
-        model, opt = _model_and_opt(strict_checks=strict)
+        model, opt = _model_and_opt(**options)
         for seed in range(steps):
             _step(model, opt, seed)
     finally:
         grad_reducer.start_check = original
-    return len(calls), [p.detach().clone() for p in model.parameters()], opt.applied_steps
+    return model, opt, len(calls)
+
+
+def _count_checks_and_train(strict, steps=6):
+    model, opt, checks = _train_counting_checks(steps, strict_checks=strict)
+    return checks, [p.detach().clone() for p in model.parameters()], opt.applied_steps
 
 
 def test_only_a_rings_first_step_has_a_collective_of_its_own_and_results_equal_strict_mode(ring):
@@ -186,18 +192,8 @@ def test_a_plan_that_differs_in_the_slots_is_treated_as_foreign_data_and_aborts_
 
 
 def _min_op_keeps_the_leading_check():
-    from elastic_ring import grad_reducer
-
-    calls = []
-    original = grad_reducer.start_check
-    grad_reducer.start_check = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        model, opt = _model_and_opt(op=er.Max)
-        for seed in range(3):
-            _step(model, opt, seed)
-    finally:
-        grad_reducer.start_check = original
-    return len(calls), opt._er_reducer._layout.trailer is None
+    _, opt, checks = _train_counting_checks(3, op=er.Max)
+    return checks, opt._er_reducer._layout.trailer is None
 
 
 def test_ops_whose_reduction_cannot_carry_the_slots_keep_a_leading_check_every_step(ring):
