@@ -36,7 +36,7 @@ def train(config: dict):
                                         model.named_parameters())
     sampler = ElasticSampler(dataset, batch_size=32, seed=0)                                    # ER
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
-    state = TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0)              # ER
+    state = TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, loss=None)   # ER
 
     @er.elastic.run                                                                             # ER
     def loop(state):
@@ -47,12 +47,12 @@ def train(config: dict):
                 loss.backward()
                 optimizer.step()
                 state.sampler.record_batch()
-                mean_loss = float(er.allreduce(loss.detach()))  # every step, for the log: safe
-                er.report(loss=mean_loss, epoch=state.epoch, step=state.sampler.step)
+                state.loss = float(er.allreduce(loss.detach()))  # every step, for the log: safe
+                er.report(loss=state.loss, epoch=state.epoch, step=state.sampler.step)
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             state.commit()                                                                      # ER
-        return {"final_loss": loss.item(), "steps": state.sampler.step}
+        return {"final_loss": state.loss, "steps": state.sampler.step}  # the last logged loss
 
     return loop(state)
 

@@ -1,10 +1,14 @@
 """The examples run as documented (with fewer steps)."""
 
 import json
+import math
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -57,6 +61,39 @@ def test_ray_quickstart_runs_and_learns():
     assert last < first / 2, line
     assert "event: ring_formed round=1 world=2" in out.stdout
     assert own_warnings(out.stderr) == [], out.stderr[-3000:]
+
+
+def _quickstart_losing_a_rank_at_its_last_loss_allreduce(host, port, job):
+    import elastic_ring as er
+    from elastic_ring import progress
+    from examples import quickstart
+    from tests.local_rendezvous import StoreRendezvous
+
+    er.elastic.set_rendezvous(StoreRendezvous(host, port, job, worlds=[2]))
+    allreduce = er.allreduce
+
+    def allreduce_or_die(tensor, *args, **kwargs):
+        if er.rank() == 2 and progress.current().get("samples", 0) >= 2048:  # the epoch's last step is applied
+            os.kill(os.getpid(), signal.SIGKILL)
+        return allreduce(tensor, *args, **kwargs)
+
+    er.allreduce = allreduce_or_die
+    try:
+        return quickstart.train({"lr": 0.05, "epochs": 1})
+    finally:
+        er.allreduce = allreduce
+
+
+def test_quickstart_survivors_with_nothing_left_to_train_return_the_last_logged_loss(ring):
+    """A rank dies at the loss allreduce of the very last step: the survivors re-enter the loop with the
+    epoch done, train nothing, and still return a result (the last logged loss, kept in the state)."""
+    job = f"qs-{uuid.uuid4().hex[:6]}"
+    results = ring.start(_quickstart_losing_a_rank_at_its_last_loss_allreduce, "127.0.0.1", ring.address.port,
+                         job).results(timeout_s=120, raise_errors=False)
+    survivors = [r for r in results if isinstance(r, dict)]
+    assert len(survivors) == 2, results
+    for value in survivors:
+        assert value["steps"] == survivors[0]["steps"] > 0 and math.isfinite(value["final_loss"]), survivors
 
 
 def test_digits_reaches_the_stated_accuracy():
