@@ -13,7 +13,7 @@ This package knows nothing of Ray or of training state. It offers:
 """
 
 from . import shadowing  # binds er.shadowing also when state/ or ray_integration/ loaded it from its file first
-from . import allocator, auth, elastic, progress, timeline
+from . import allocator, auth, elastic, process_sets, progress, timeline
 from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
 from .collectives import (
     agree_max,
@@ -61,5 +61,5 @@ __all__ = [
     "set_progress", "set_reporter", "shutdown", "size", "timeline",
     "allgather_async", "allreduce_async", "allreduce_async_", "alltoall", "broadcast_async", "broadcast_async_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "poll", "reducescatter",
-    "synchronize", "SyncBatchNorm",
+    "synchronize", "SyncBatchNorm", "process_sets",
 ]

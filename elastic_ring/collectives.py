@@ -5,8 +5,12 @@ Every function here:
 1. checks with one tiny allreduce that all ranks passed tensors of the same
    names, dtypes and shapes (:mod:`elastic_ring.signature`), raising
    :class:`TensorMismatchError` on every rank otherwise;
-2. validates its arguments (the same on every rank, after the check, so that
-   a bad argument raises everywhere instead of leaving peers waiting);
+2. validates its arguments before that check without raising, and folds
+   "my arguments are invalid" into the check as a flag (:func:`agree`): a bad
+   argument on *one* rank (a 0-dim tensor, bad ``splits``, an unpicklable
+   object) makes every rank raise, with a message naming the rank and its
+   problem, and the ring stays usable, instead of leaving its peers waiting in
+   the collective until they time out;
 3. runs with a timeout (``timeout_s``, default: the ring's
    ``collective_timeout_s``); a lost peer or a timeout raises
    :class:`CommError` on every survivor.
@@ -24,14 +28,17 @@ reuse fusion buffers from a bounded pool that belongs to the current ring
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from typing import Any, NoReturn, Sequence
 
 import torch
 
-from . import fusion, runtime
+from . import fusion, process_sets, runtime
+from .byte_collectives import allgather_bytes
 from .communicator import Communicator
 from .compression import Compression, Compressor, check_compressor
 from .constants import FUSION_POOL_MAX_BYTES, FUSION_THRESHOLD_BYTES
+from .errors import TensorMismatchError
 from .ops import Average, ReduceOp
 from .signature import describe, start_check, verify_same
 
@@ -73,6 +80,74 @@ def _check_reducible(tensors: Sequence[torch.Tensor], names: Sequence[str], op: 
     for t, n in zip(tensors, names):
         if t.dtype not in _REDUCIBLE and t.dtype not in _WIDER:
             raise ValueError(f"cannot allreduce tensor {n!r} of dtype {t.dtype}; cast it to a float or int dtype")
+
+
+def loose_entries(tensors: Any, label: str) -> list[tuple[str, str]]:
+    """A signature of what a rank passed when its arguments are invalid (it may not even be tensors)."""
+    if isinstance(tensors, torch.Tensor):
+        return [(label, describe(tensors))]
+    if isinstance(tensors, (list, tuple)):
+        return [(f"{label}.{i}", describe(t) if isinstance(t, torch.Tensor) else f"<{type(t).__name__}>")
+                for i, t in enumerate(tensors)]
+    return [(label, f"<{type(tensors).__name__}>")]
+
+
+#: Longest problem text a rank sends its peers.
+_PROBLEM_CHARS = 500
+
+
+def agree(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None,
+          problem: BaseException | None, values: Sequence[int] = ()) -> list[int]:
+    """The signature check of a collective, with "this rank's arguments are invalid" folded into it.
+
+    ``problem`` is the error this rank found in its own arguments before the check (None: they are valid).
+    Every rank makes the check, in which a rank with a problem describes its call as ``kind`` "with invalid
+    arguments (the problem)". The other ranks, which made a valid call, therefore see a signature mismatch
+    and raise :class:`TensorMismatchError`, whose message names that rank and its problem; the rank with the
+    problem raises its own error (from the mismatch). When every rank had the very same problem, the check
+    agrees and its flag says so: all ranks swap their problems (plain text) and raise (each its own error,
+    or a ``ValueError`` naming the ranks that had one). Nothing else is sent, so the ring stays usable.
+    Returns the maxima over ranks of ``values`` (at most three), as
+    :func:`~elastic_ring.signature.start_check`.
+    """
+    flag = 0 if problem is None else 1
+    if problem is not None:  # what the peers' mismatch message shows for this rank, when they made a valid call
+        kind = f"{kind} with invalid arguments ({type(problem).__name__}: {problem})"[:_PROBLEM_CHARS]
+    try:
+        got = start_check(comm, kind, entries, timeout_s, [flag, *values]).finish()
+    except TensorMismatchError as mismatch:
+        if problem is not None:
+            raise problem from mismatch
+        raise
+    if got[0]:
+        reported = _swap_problems(comm, problem, timeout_s)
+        if problem is not None:
+            raise problem
+        raise ValueError(f"{kind}: {reported}; every rank raises (the collective did not run, the ring stays usable)")
+    return got[1:]
+
+
+def refuse(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None,
+           problem: BaseException) -> NoReturn:
+    """:func:`agree` for a rank whose arguments are invalid: the check, then every rank raises."""
+    agree(comm, kind, entries, timeout_s, problem)
+    raise problem  # agree() raised already: a problem is always reported
+
+
+def _swap_problems(comm: Communicator, problem: BaseException | None, timeout_s: float | None) -> str:
+    """Every rank's problem text (as JSON: nothing is unpickled); what the ranks that had one reported."""
+    if comm.size == 1:
+        return f"rank 0: {type(problem).__name__}: {problem}"
+    mine = None if problem is None else f"{type(problem).__name__}: {problem}"[:_PROBLEM_CHARS]
+    texts = []
+    for rank, data in enumerate(allgather_bytes(comm, json.dumps(mine).encode(), timeout_s)):
+        try:
+            text = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            text = "(unreadable)"
+        if text is not None:
+            texts.append(f"rank {rank} passed invalid arguments ({str(text)[:_PROBLEM_CHARS]})")
+    return "; ".join(texts) or "a rank passed invalid arguments"
 
 
 def _fused_allreduce(
@@ -165,12 +240,16 @@ def start_grouped_allreduce(tensors, op, name, compression, timeout_s, inplace, 
 def _checked_allreduce(tensors, op, name, compression, threshold, timeout_s, inplace, kind, wait: bool) -> Pending:
     """Every allreduce: validate, check the signature with the peers, then reduce (through autograd when a tensor
     needs it). ``wait=False`` leaves a plain fused reduction in flight, on buffers of its own."""
-    _check_tensors(tensors, kind)
-    op = ReduceOp.parse(op)
-    compressor = check_compressor(compression)
-    comm = runtime.current()
-    names = _names(tensors, name, kind)
-    verify_same(comm, f"{kind}(op={op.value}, compression={compressor.name})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
+    comm = process_sets.current()
+    try:
+        _check_tensors(tensors, kind)
+        op = ReduceOp.parse(op)
+        compressor = check_compressor(compression)
+        names = _names(tensors, name, kind)
+    except (TypeError, ValueError) as exc:
+        refuse(comm, kind, loose_entries(tensors, kind), timeout_s, exc)
+    agree(comm, f"{kind}(op={op.value}, compression={compressor.name})",
+          [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s, None)
     _check_reducible(tensors, names, op)
     if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out = list(_AllreduceGrad.apply(comm, op, compressor, threshold, timeout_s, *tensors))
@@ -208,6 +287,7 @@ class _AllreduceGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, op, compressor, threshold, timeout_s, *tensors):
         ctx.op, ctx.compressor, ctx.threshold, ctx.timeout_s = op, compressor, threshold, timeout_s
+        ctx.scope = process_sets.active()  # backward reduces on the same process set
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
         return tuple(_reduce(comm, [t.detach() for t in tensors], op, compressor, threshold, timeout_s, False))
 
@@ -218,8 +298,9 @@ class _AllreduceGrad(torch.autograd.Function):
                                "differentiable (detach the tensor, or reduce it with op=Sum)")
         grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
                  for g, (shape, dtype, device) in zip(grads, ctx.shapes)]
-        reduced = _grouped_allreduce(grads, ctx.op, "allreduce.grad", ctx.compressor, ctx.threshold, ctx.timeout_s,
-                                     False, "grouped_allreduce")
+        with process_sets.scope_of(ctx.scope):
+            reduced = _grouped_allreduce(grads, ctx.op, "allreduce.grad", ctx.compressor, ctx.threshold,
+                                         ctx.timeout_s, False, "grouped_allreduce")
         return (None, None, None, None, None, *reduced)
 
 
@@ -294,10 +375,14 @@ def grouped_broadcast_(
     timeout_s: float | None = None,
 ) -> list[torch.Tensor]:
     """Overwrite ``tensors`` on every rank with root's, fused by dtype; returns them."""
-    _check_tensors(tensors, "grouped_broadcast_")
-    comm = runtime.current()
-    names = _names(tensors, name, "broadcast")
-    verify_same(comm, f"grouped_broadcast_(root={root_rank})", [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s)
+    comm = process_sets.current()
+    try:
+        _check_tensors(tensors, "grouped_broadcast_")
+        names = _names(tensors, name, "broadcast")
+    except (TypeError, ValueError) as exc:
+        refuse(comm, f"grouped_broadcast_(root={root_rank})", loose_entries(tensors, "broadcast"), timeout_s, exc)
+    agree(comm, f"grouped_broadcast_(root={root_rank})", [(n, describe(t)) for n, t in zip(names, tensors)],
+          timeout_s, None)
     if not isinstance(root_rank, int) or not 0 <= root_rank < comm.size:
         raise ValueError(f"root_rank={root_rank!r} is not a rank of this ring (world size {comm.size})")
     if comm.size == 1:
@@ -342,13 +427,16 @@ class _BroadcastGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, timeout_s):
         ctx.root_rank, ctx.name, ctx.timeout_s = root_rank, name, timeout_s
+        ctx.scope = process_sets.active()
         return broadcast_(tensor.detach().clone(), root_rank, name=name, timeout_s=timeout_s)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad.contiguous(), op=Average, name=f"{ctx.name or 'broadcast'}.grad", timeout_s=ctx.timeout_s)
-        if runtime.rank() != ctx.root_rank:
-            reduced = torch.zeros_like(reduced)
+        with process_sets.scope_of(ctx.scope):
+            reduced = allreduce(grad.contiguous(), op=Average, name=f"{ctx.name or 'broadcast'}.grad",
+                                timeout_s=ctx.timeout_s)
+            if process_sets.current().rank != ctx.root_rank:
+                reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 
 
@@ -360,9 +448,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, timeout_s: float | 
     rank's slice of the *average* of every rank's gradient (Horovod's
     convention, which treats each rank's loss as a share of an averaged one).
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"allgather expects a torch.Tensor, got {type(tensor).__name__}")
-    if torch.is_grad_enabled() and tensor.requires_grad:
+    if isinstance(tensor, torch.Tensor) and torch.is_grad_enabled() and tensor.requires_grad:
         return _AllgatherGrad.apply(tensor, name, timeout_s)
     return _allgather(tensor, name, timeout_s)
 
@@ -371,29 +457,45 @@ class _AllgatherGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, timeout_s):
         ctx.name, ctx.timeout_s, ctx.rows = name, timeout_s, tensor.shape[0] if tensor.dim() else 0
+        ctx.scope = process_sets.active()
         out = _allgather(tensor.detach(), name, timeout_s)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows = allgather(torch.tensor([ctx.rows]), name=f"{ctx.name or 'allgather'}.grad.rows", timeout_s=ctx.timeout_s)
-        offset = int(rows[: runtime.rank()].sum())
-        averaged = allreduce(grad.contiguous(), op=Average, name=f"{ctx.name or 'allgather'}.grad", timeout_s=ctx.timeout_s)
+        with process_sets.scope_of(ctx.scope):
+            rows = allgather(torch.tensor([ctx.rows]), name=f"{ctx.name or 'allgather'}.grad.rows",
+                             timeout_s=ctx.timeout_s)
+            offset = int(rows[: process_sets.current().rank].sum())
+            averaged = allreduce(grad.contiguous(), op=Average, name=f"{ctx.name or 'allgather'}.grad",
+                                 timeout_s=ctx.timeout_s)
         return averaged.narrow(0, offset, ctx.rows), None, None
 
 
 def _allgather(tensor: torch.Tensor, name: str | None, timeout_s: float | None) -> torch.Tensor:
-    comm = runtime.current()
+    comm = process_sets.current()
     label = name or "allgather"
-    verify_same(comm, "allgather", [(label, describe(tensor, ignore_first_dim=True))], timeout_s)
-    if tensor.dim() == 0:
-        raise ValueError(f"allgather of {label!r} needs a tensor with at least one dimension; use tensor.view(1)")
+    problem = None
+    if not isinstance(tensor, torch.Tensor):
+        problem = TypeError(f"allgather expects a torch.Tensor, got {type(tensor).__name__}")
+    elif tensor.dim() == 0:
+        problem = ValueError(f"allgather of {label!r} needs a tensor with at least one dimension; use tensor.view(1)")
+    entries = loose_entries(tensor, label) if problem is not None else [(label, describe(tensor, ignore_first_dim=True))]
+    agree(comm, "allgather", entries, timeout_s, problem)
     if comm.size == 1:
         return tensor.detach().clone()
+    return gather_rows(comm, tensor, None, timeout_s)
+
+
+def gather_rows(comm: Communicator, tensor: torch.Tensor, sizes: list[int] | None,
+                timeout_s: float | None) -> torch.Tensor:
+    """The allgather's data path, after its check: every rank's rows, in rank order. ``sizes`` (every rank's
+    first dimension) when the caller knows them already, else one more small allgather learns them."""
     local = _as_wire(tensor.detach().contiguous()).to(comm.device)
-    counts = torch.empty((comm.size, 1), dtype=torch.int64, device=comm.device)
-    comm.allgather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm.device), timeout_s).wait()
-    sizes = [int(c) for c in counts.view(-1).tolist()]
+    if sizes is None:
+        counts = torch.empty((comm.size, 1), dtype=torch.int64, device=comm.device)
+        comm.allgather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm.device), timeout_s).wait()
+        sizes = [int(c) for c in counts.view(-1).tolist()]
     longest = max(sizes)
     if local.shape[0] < longest:
         padded = local.new_zeros((longest, *local.shape[1:]))
@@ -407,7 +509,7 @@ def _allgather(tensor: torch.Tensor, name: str | None, timeout_s: float | None) 
 
 def barrier(timeout_s: float | None = None) -> None:
     """Return once every rank has entered the barrier."""
-    comm = runtime.current()
+    comm = process_sets.current()
     verify_same(comm, "barrier", [], timeout_s)
 
     # The signature check is an allreduce that needs every rank: it is the barrier.
@@ -418,4 +520,4 @@ def agree_max(kind: str, values: Sequence[int], timeout_s: float | None = None) 
     same ``kind`` of call, and return the maximum over ranks of each of ``values``
     (small non-negative ints, e.g. flags). Raises :class:`TensorMismatchError` on
     every rank if some rank is making another call."""
-    return start_check(runtime.current(), kind, [], timeout_s, values).finish()
+    return start_check(process_sets.current(), kind, [], timeout_s, values).finish()

@@ -23,24 +23,33 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import runtime
+from . import process_sets
 from .auth import seal, unseal
 from .byte_collectives import allgather_bytes, broadcast_bytes
-from .collectives import grouped_broadcast_
-from .communicator import Communicator
-from .signature import verify_same
+from .collectives import agree, grouped_broadcast_
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, timeout_s: float | None = None) -> Any:
     """Return root's ``obj`` on every rank (pickled and authenticated; ``obj`` is ignored elsewhere, and the
     root gets ``obj`` itself back). Raises :class:`~elastic_ring.AuthenticationError` on a receiver whose
     payload was tampered with."""
-    comm = runtime.current()
-    verify_same(comm, f"broadcast_object(root={root_rank})", [(name or "object", "pickle")], timeout_s)
+    return _broadcast_object(obj, root_rank, name, timeout_s, None)
+
+
+def _broadcast_object(obj: Any, root_rank: int, name: str | None, timeout_s: float | None,
+                      problem: BaseException | None) -> Any:
+    comm = process_sets.current()
+    pickled = None
+    if problem is None and comm.rank == root_rank and comm.size > 1:
+        try:
+            pickled = pickle.dumps(obj)
+        except Exception as exc:  # noqa: BLE001 - any pickling error is this rank's argument error
+            problem = TypeError(f"broadcast_object: the root's object cannot be pickled: {type(exc).__name__}: {exc}")
+    agree(comm, f"broadcast_object(root={root_rank})", [(name or "object", "pickle")], timeout_s, problem)
     if comm.size == 1:
         return obj
     label = f"{comm.payload_name('broadcast_object')}/from{root_rank}"
-    data = seal(comm.auth_key, "payload", label, pickle.dumps(obj)) if comm.rank == root_rank else None
+    data = seal(comm.auth_key, "payload", label, pickled) if comm.rank == root_rank else None
     received = broadcast_bytes(comm, data, root_rank, timeout_s)
     if comm.rank == root_rank:
         return obj
@@ -49,12 +58,18 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
 
 def allgather_object(obj: Any, name: str | None = None, timeout_s: float | None = None) -> list[Any]:
     """Every rank's ``obj``, indexed by rank (each payload authenticated before it is unpickled)."""
-    comm = runtime.current()
-    verify_same(comm, "allgather_object", [(name or "object", "pickle")], timeout_s)
+    comm = process_sets.current()
+    pickled, problem = None, None
+    if comm.size > 1:
+        try:
+            pickled = pickle.dumps(obj)
+        except Exception as exc:  # noqa: BLE001 - any pickling error is this rank's argument error
+            problem = TypeError(f"allgather_object: this rank's object cannot be pickled: {type(exc).__name__}: {exc}")
+    agree(comm, "allgather_object", [(name or "object", "pickle")], timeout_s, problem)
     if comm.size == 1:
         return [obj]
     label = comm.payload_name("allgather_object")
-    mine = seal(comm.auth_key, "payload", f"{label}/from{comm.rank}", pickle.dumps(obj))
+    mine = seal(comm.auth_key, "payload", f"{label}/from{comm.rank}", pickled)
     rows = allgather_bytes(comm, mine, timeout_s)
     return [obj if r == comm.rank else pickle.loads(unseal(comm.auth_key, "payload", f"{label}/from{r}", row))
             for r, row in enumerate(rows)]
@@ -76,16 +91,18 @@ def broadcast_tree(tree: Any = None, root_rank: int = 0, name: str | None = None
     at the receiver, a CUDA leaf is on the receiver's ring device; ``tree`` is
     ignored on them. Plain leaves must be picklable.
     """
-    comm = runtime.current()
+    comm = process_sets.current()
     is_root = comm.rank == root_rank
+    skeleton, problem = None, None
     if is_root:
-        leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_namedtuple)
-        layout = [_TensorLeaf(tuple(x.shape), x.dtype, x.device.type == "cpu") if isinstance(x, torch.Tensor) else x
-                  for x in leaves]
-        skeleton = (pytree.treespec_dumps(spec), layout)
-    else:
-        skeleton = None
-    spec_text, layout = broadcast_object(skeleton, root_rank, name=name or "tree", timeout_s=timeout_s)
+        try:
+            leaves, spec = pytree.tree_flatten(tree, is_leaf=_is_namedtuple)
+            layout = [_TensorLeaf(tuple(x.shape), x.dtype, x.device.type == "cpu") if isinstance(x, torch.Tensor)
+                      else x for x in leaves]
+            skeleton = (pytree.treespec_dumps(spec), layout)
+        except Exception as exc:  # noqa: BLE001 - a tree the root cannot describe is its argument error
+            problem = TypeError(f"broadcast_tree: the root's tree cannot be sent: {type(exc).__name__}: {exc}")
+    spec_text, layout = _broadcast_object(skeleton, root_rank, name or "tree", timeout_s, problem)
     if is_root and comm.size == 1:
         return tree
     slots = [i for i, x in enumerate(layout) if isinstance(x, _TensorLeaf)]

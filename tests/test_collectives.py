@@ -236,3 +236,67 @@ def test_pool_direct_path_new_ring_and_release(ring):
         assert direct == 0, "allreduce_ of one contiguous tensor of the wire dtype must not take a pooled buffer"
         assert fused == 600 and released == 0 and kept == 600 and value == 2.0
     assert [s[0] for s in second] == [0, 0]
+
+
+def _one_rank_bad_inputs():
+    """A local input error on one rank only: every rank raises at once, and the ring stays usable."""
+    import threading
+    import time
+
+    r = er.rank()
+    unpicklable = threading.Lock()
+    cases = {
+        "alltoall splits length": (1, lambda bad: er.alltoall(torch.ones(3, 2), splits=[1, 1, 1, 0] if bad else [1, 1, 1])),
+        "alltoall splits sum": (1, lambda bad: er.alltoall(torch.ones(3, 2), splits=[2, 2, 2] if bad else [1, 1, 1])),
+        "alltoall negative split": (2, lambda bad: er.alltoall(torch.ones(3, 2), splits=[-1, 2, 2] if bad else [1, 1, 1])),
+        "alltoall no splits": (1, lambda bad: er.alltoall(torch.ones(4 if bad else 3, 2))),
+        "reducescatter 0-dim": (0, lambda bad: er.reducescatter(torch.tensor(1.0) if bad else torch.ones(3))),
+        "reducescatter op": (2, lambda bad: er.reducescatter(torch.ones(3), op=er.Max if bad else er.Sum)),
+        "allgather not a tensor": (1, lambda bad: er.allgather([1, 2] if bad else torch.ones(2))),
+        "allgather 0-dim": (1, lambda bad: er.allgather(torch.tensor(1.0) if bad else torch.ones(1))),
+        "allreduce op": (1, lambda bad: er.allreduce(torch.ones(2), op="median" if bad else "sum")),
+        "grouped_allreduce not a tensor": (2, lambda bad: er.grouped_allreduce([torch.ones(2), 3 if bad else torch.ones(1)])),
+        "broadcast names": (0, lambda bad: er.grouped_broadcast_([torch.ones(2)], 0, name=["a", "b"] if bad else ["a"])),
+        "broadcast_object unpicklable root": (0, lambda bad: er.broadcast_object(unpicklable if bad else 1, root_rank=0)),
+        "allgather_object unpicklable": (2, lambda bad: er.allgather_object(unpicklable if bad else r)),
+        "broadcast_tree unpicklable leaf": (1, lambda bad: er.broadcast_tree({"lock": unpicklable} if bad else None, root_rank=1)),
+    }
+    out = {}
+    for label, (bad_rank, call) in cases.items():
+        started = time.monotonic()
+        try:
+            call(r == bad_rank)
+            outcome = "no error"
+        except (TypeError, ValueError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        out[label] = (outcome, time.monotonic() - started)
+        er.barrier()  # still paired: nothing of the failed call is left on the ring
+    started = time.monotonic()
+    try:
+        er.alltoall(torch.ones(3, 1), splits=[3, 0])  # the same bad splits on every rank: the check agrees
+    except ValueError as exc:
+        out["every rank bad"] = (f"ValueError: {exc}", time.monotonic() - started)
+    out["after"] = er.allreduce(torch.ones(2), op=er.Sum).tolist()
+    return out
+
+
+def test_a_bad_input_on_one_rank_only_makes_every_rank_raise_and_leaves_the_ring_usable(ring):
+    # a collective timeout far above what the test allows: a rank left waiting would show
+    results = ring.run(_one_rank_bad_inputs, world_size=3, timeout_s=60, collective_timeout_s=30)
+    bad_ranks = {"alltoall splits length": 1, "alltoall splits sum": 1, "alltoall negative split": 2,
+                 "alltoall no splits": 1, "reducescatter 0-dim": 0, "reducescatter op": 2, "allgather not a tensor": 1,
+                 "allgather 0-dim": 1, "allreduce op": 1, "grouped_allreduce not a tensor": 2, "broadcast names": 0,
+                 "broadcast_object unpicklable root": 0, "allgather_object unpicklable": 2,
+                 "broadcast_tree unpicklable leaf": 1}
+    for rank, out in enumerate(results):
+        assert out.pop("after") == [3.0, 3.0]
+        every = out.pop("every rank bad")
+        assert every[0].startswith("ValueError: alltoall splits=[3, 0] must give 3") and every[1] < 5
+        assert set(out) == set(bad_ranks)
+        for label, (outcome, elapsed) in out.items():
+            assert elapsed < 5, (label, elapsed)
+            if rank == bad_ranks[label]:  # its own error, saying what is wrong with its arguments
+                assert not outcome.startswith(("no error", "TensorMismatchError")), (label, outcome)
+            else:  # the peers: a mismatch naming that rank and its problem
+                assert outcome.startswith("TensorMismatchError"), (label, outcome)
+                assert f"rank {bad_ranks[label]}: " in outcome and "with invalid arguments" in outcome, (label, outcome)
