@@ -213,17 +213,19 @@ def retarget_reachable(func: Callable[..., Any], args: Iterable[Any], kwargs: di
     """Point the DistributedSamplers ``func`` can reach at ring ``(rank, size)``; return how many changed.
     With ``previous`` (this process's ``(rank, size)`` in the ring the loop last ran in), only samplers split for
     that ring follow: one built for another split on purpose (``num_replicas=1`` for a rank-0 evaluation, a
-    sub-group) is left alone. Each sampler that changed is watched from now on: if it feeds training steps, its
-    next batch raises :class:`DistributedSamplerInTraining` (unless ``func`` is a Horovod script's, or the
-    sampler was passed to :func:`allow_epoch_restart`)."""
+    sub-group) is left alone. Each sampler that follows the ring (changed, or split for ``previous`` when that is
+    also the new ring: the loop re-enters after a re-form all the same) is watched from now on: if it feeds
+    training steps, its next batch raises :class:`DistributedSamplerInTraining` (unless ``func`` is a Horovod
+    script's, or the sampler was passed to :func:`allow_epoch_restart`)."""
     changed = 0
     horovod = None
     for sampler in _samplers(_candidates(func, args, kwargs)):
         if previous is not None and (sampler.rank, sampler.num_replicas) != previous:
             continue
-        if not retarget(sampler, rank, size):
+        if retarget(sampler, rank, size):
+            changed += 1
+        elif previous is None:  # already split for this ring, and nothing says it follows the ring
             continue
-        changed += 1
         if horovod is None:
             horovod = _horovod_script(func)
         if not horovod:

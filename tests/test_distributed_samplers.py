@@ -98,6 +98,10 @@ def test_a_re_pointed_sampler_that_feeds_training_steps_is_refused_at_its_next_b
 
     assert _steps(loaders[0], model, optimizer, 3) == [[1, 4], [7, 10], [13, 16]]  # not watched before a re-form
     assert retarget_reachable(loop, (None,), {}, 0, 2, previous=(1, 3)) == 3
+    again = DistributedSampler(DATA, num_replicas=2, rank=0)  # split for a ring that re-formed with the same split
+    assert retarget_reachable(lambda state: again, (None,), {}, 0, 2, previous=(0, 2)) == 0
+    assert retarget_reachable(lambda state: again, (None,), {}, 0, 2) == 0
+    assert type(again) is not DistributedSampler and isinstance(again, DistributedSampler)  # watched all the same
     assert isinstance(train, DistributedSampler) and indices(train) == list(range(0, 23, 2))
     with pytest.raises(DistributedSamplerInTraining, match=r"ElasticSampler.*batch_sampler=sampler"):
         _steps(loaders[0], model, optimizer, 3)  # a step between two of its batches: refused at the second
