@@ -491,7 +491,12 @@ def gather_rows(comm: Communicator, tensor: torch.Tensor, sizes: list[int] | Non
                 timeout_s: float | None) -> torch.Tensor:
     """The allgather's data path, after its check: every rank's rows, in rank order. ``sizes`` (every rank's
     first dimension) when the caller knows them already, else one more small allgather learns them."""
-    local = _as_wire(tensor.detach().contiguous()).to(comm.device)
+    rows, rest = tensor.shape[0], tuple(tensor.shape[1:])
+    inner = 1
+    for d in rest:
+        inner *= d
+    # as rows of one flat dimension, so that the wire view (bytes, real pairs) keeps the row count
+    local = _as_wire(tensor.detach().contiguous().reshape(rows, inner)).to(comm.device)
     if sizes is None:
         counts = torch.empty((comm.size, 1), dtype=torch.int64, device=comm.device)
         comm.allgather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=comm.device), timeout_s).wait()
@@ -504,7 +509,8 @@ def gather_rows(comm: Communicator, tensor: torch.Tensor, sizes: list[int] | Non
     gathered = local.new_empty((comm.size, longest, *local.shape[1:]))
     comm.allgather(gathered, local, timeout_s).wait()
     out = torch.cat([gathered[r, : sizes[r]] for r in range(comm.size)]) if longest else gathered.view(0, *local.shape[1:])
-    return _from_wire(out, tensor.dtype).to(tensor.device)
+    out = _from_wire(out.contiguous(), tensor.dtype)
+    return out.reshape(out.shape[0], *rest).to(tensor.device)
 
 
 def barrier(timeout_s: float | None = None) -> None:

@@ -424,6 +424,12 @@ def _every_collective_every_dtype():
         check(f"broadcast {name}", hvd.broadcast(mine, root_rank=size - 1, name=name), every[-1])
         rows = mine.view(size, -1)
         check(f"alltoall {name}", hvd.alltoall(rows, name=name), torch.stack([e.view(size, -1)[rank] for e in every]))
+        splits = [[1, 5], [2, 4]]  # 1-D, uneven: rank s sends splits[s][r] of its 6 values to rank r
+        got, received = hvd.alltoall(mine, splits=splits[rank], name=name)
+        check(f"alltoall splits {name}", got,
+              torch.cat([e[sum(splits[s][:rank]): sum(splits[s][:rank + 1])] for s, e in enumerate(every)]))
+        check(f"alltoall received {name}", received, torch.tensor([splits[s][rank] for s in range(size)],
+                                                                  dtype=torch.int32))
         if dtype != torch.bool:
             for label in ("Sum", "Average"):
                 offset, n = rank * (6 // size), 6 // size
@@ -441,6 +447,36 @@ def _every_collective_every_dtype():
 def test_every_collective_with_every_op_and_dtype_matches_a_local_reference(ring):
     for failures, checks in ring.run(_every_collective_every_dtype, world_size=2, timeout_s=120):
         assert failures == []
-        # per numeric dtype: 5 ops x (allreduce, allreduce_), allgather, broadcast, alltoall, 2 reducescatters;
-        # bool: allgather, broadcast, alltoall (its allreduces are refused, as Horovod's)
-        assert checks == len(NUMERIC) * 15 + 3
+        # per numeric dtype: 5 ops x (allreduce, allreduce_), allgather, broadcast, 3 alltoall checks, 2
+        # reducescatters; bool: allgather, broadcast, 3 alltoall checks (its allreduces are refused, as Horovod's)
+        assert checks == len(NUMERIC) * 17 + 5
+
+
+def _lose_a_process_set_member():
+    import os
+    import time
+
+    rank = er.rank()
+    pair = hvd.add_process_set([0, 1])
+    hvd.allreduce(torch.ones(1), process_set=pair) if rank in (0, 1) else None  # the sub-ring forms
+    if rank == 1:
+        os._exit(1)  # a member is lost
+    if rank == 2:
+        hvd.remove_process_set(pair)
+        return "not a member"
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(1), process_set=pair)
+        outcome = "no error"
+    except RuntimeError as exc:  # a Horovod script's clause
+        outcome = f"{type(exc).__name__} {isinstance(exc, er.CommError)}"
+    hvd.remove_process_set(pair)
+    return outcome, time.monotonic() - started
+
+
+def test_losing_a_process_set_member_fails_its_collective_with_horovod_internal_error(ring):
+    results = ring.start(_lose_a_process_set_member, world_size=3, collective_timeout_s=20).results(
+        timeout_s=60, raise_errors=False)
+    outcome, elapsed = results[0]
+    assert outcome == "HorovodInternalError True" and elapsed < 15
+    assert results[1].type_name == "ProcessDied" and results[2] == "not a member"

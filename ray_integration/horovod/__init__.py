@@ -163,8 +163,11 @@ class _GlobalProcessSet(ProcessSet):
         pass
 
     @property
-    def ranks(self) -> list[int]:  # type: ignore[override]
-        return list(range(size()))
+    def ranks(self) -> list[int] | None:  # type: ignore[override]
+        try:
+            return list(range(size()))
+        except ValueError:  # before hvd.init(), as Horovod's: no ranks yet
+            return None
 
     def size(self) -> int:
         return size()
@@ -636,7 +639,7 @@ class _SparseHandle:
             if self._divisor is not None:
                 values = values / self._divisor
             self._result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, self._tensor.size(),
-                                                   device=self._tensor.device)
+                                                   device=self._tensor.device, check_invariants=False)
         return self._result
 
 
