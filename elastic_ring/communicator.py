@@ -127,6 +127,10 @@ class Communicator(abc.ABC):
         """End a healthy round. Backends whose teardown can block abort instead."""
         self.abort()
 
+    def release(self) -> None:
+        """Free a communicator a later round was derived from (NCCL shrink or grow keeps the parent alive
+        until the child formed). Called once it is never used again; idempotent."""
+
     def fail(self, cause: BaseException) -> CommError:
         """Record ``cause``, abort, and return the CommError to raise. Thread-safe: when the
         communicator already failed (e.g. ``runtime.abort_round`` from another thread failed it,

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from . import nccl_handle, nccl_lib
+from . import nccl_handle, nccl_lib, nccl_reform
 from .communicator import Communicator, Work
 from .errors import CommError
 from .formation import Formation
@@ -177,10 +177,12 @@ class NcclCommunicator(Communicator):
     """Communicator of one round over NCCL. ``store`` offers ``set(key, bytes)`` / ``get(key)``."""
 
     def __init__(self, spec: RingSpec, store, watchdog: Watchdog | None = None,
-                 formation: Formation | None = None) -> None:
+                 formation: Formation | None = None, parent: "NcclCommunicator | None" = None) -> None:
         super().__init__(spec)
         self._handle: CommHandle | None = None
         self._watchdog: Watchdog | None = None
+        #: How this round's communicator was made: "init", "shrink" or "grow" (nccl_reform).
+        self.formed_by = nccl_reform.INIT
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "backend='nccl' needs CUDA and NCCL: run on a GPU machine with elastic-ring[gpu] installed "
@@ -205,9 +207,14 @@ class NcclCommunicator(Communicator):
         formation = formation if formation is not None else Formation(spec, store)
         deadline = formation.deadline
         reads = formation.interruptible_store()  # waits for rank 0's id end when the round is aborted
-        unique_id = formation.run(lambda seconds_left: self._exchange_unique_id(reads, seconds_left), None,
-                                  "NCCL unique id exchange")
-        self._handle = self._create(unique_id, deadline, formation)
+        plan = self._publish_reform_token(store, parent)
+        path, unique_id = formation.run(lambda seconds_left: self._agree(reads, plan, parent, seconds_left), None,
+                                        "NCCL unique id exchange")
+        if path == nccl_reform.INIT:
+            self._handle = self._create(unique_id, deadline, formation)
+        else:
+            self._handle = self._derive(path, plan, parent, unique_id, deadline, formation)
+            self.formed_by = path
         formation.on_cancel(lambda reason: self.watchdog_failed(formation.cancelled_error("during the warm-up")))
         try:
             self._warm_up(deadline, formation)
@@ -224,6 +231,77 @@ class NcclCommunicator(Communicator):
         return self.spec.identity
 
     # ------------------------------------------------------------ forming
+    def _reform_wanted(self) -> bool:
+        spec = self.spec
+        return spec.nccl_reform == "shrink_grow" and spec.parent_ranks is not None
+
+    def _publish_reform_token(self, store, parent: "NcclCommunicator | None") -> nccl_reform.Plan | None:
+        """Before the arrival barrier: publish whether this rank can shrink or grow (nccl_reform)."""
+        if not self._reform_wanted():
+            return None
+        spec = self.spec
+        if parent is not None and parent.spec.round_id != spec.parent_round:
+            parent = None
+        plan = nccl_reform.plan_for(spec.parent_round, spec.parent_ranks,
+                                    parent.spec.world_size if parent is not None else None)
+        my_parent_rank = spec.parent_ranks[spec.rank]  # type: ignore[index]
+        alive = parent is not None and parent.reform_handle() is not None
+        if plan is not None and my_parent_rank >= 0 and parent is not None and parent.spec.rank != my_parent_rank:
+            alive = False  # the spec says this process had another rank in the parent: not that communicator
+        token = nccl_reform.token(plan, my_parent_rank, alive, self._lib.has)
+        store.set(f"{spec.store_prefix}{nccl_reform.TOKEN_KEY}{spec.rank}", token)
+        return plan
+
+    def _agree(self, store, plan: nccl_reform.Plan | None, parent: "NcclCommunicator | None",
+               seconds_left: float) -> tuple[str, bytes | None]:
+        """After the barrier: the path every rank takes, and the id it needs (a full init's or a grow's)."""
+        spec = self.spec
+        if not self._reform_wanted():
+            return nccl_reform.INIT, self._exchange_unique_id(store, seconds_left)
+        keys = [f"{spec.store_prefix}{nccl_reform.TOKEN_KEY}{r}" for r in range(spec.world_size)]
+        path = nccl_reform.agreed(store.multi_get(keys), plan)
+        if path == nccl_reform.INIT:
+            return path, self._exchange_unique_id(store, seconds_left)
+        if path == nccl_reform.SHRINK:
+            return path, None
+        key = spec.store_prefix + nccl_reform.GROW_ID_KEY
+        if spec.rank == 0:  # the root of a grow is a member: the parent's rank 0
+            unique_id = nccl_reform.grow_id(parent.reform_handle(), spec.identity)  # type: ignore[union-attr,arg-type]
+            store.set(key, unique_id)
+            return path, unique_id
+        if spec.parent_ranks[spec.rank] >= 0:  # type: ignore[index]
+            return path, None  # members other than the root pass no id
+        store.wait([key], datetime.timedelta(seconds=seconds_left))
+        return path, check_unique_id(store.get(key), spec.identity)
+
+    def _derive(self, path: str, plan: nccl_reform.Plan, parent: "NcclCommunicator | None", unique_id: bytes | None,
+                deadline: float, formation: Formation) -> CommHandle:
+        """This round's communicator by shrink or grow of ``parent``'s (the newcomer of a grow has none)."""
+        spec = self.spec
+
+        def clock() -> float:  # a cancelled formation is past its deadline: the new communicator is aborted
+            return float("inf") if formation.cancelled else time.monotonic()
+
+        who = f"{spec.identity} on {self._device}"
+        handle = parent.reform_handle() if parent is not None else None
+        try:
+            with torch.cuda.device(self._device):
+                if path == nccl_reform.SHRINK:
+                    # only a healthy parent gets here (a failed one was aborted, so its token said init)
+                    return nccl_reform.shrink(handle, plan.exclude, parent.errored, deadline, who,  # type: ignore
+                                              spec.connect_timeout_s, clock=clock)
+                return nccl_reform.grow(self._lib, handle, spec.world_size, unique_id, spec.rank, deadline, who,
+                                        spec.connect_timeout_s, clock=clock)
+        except CommError as exc:
+            if formation.cancelled:
+                raise formation.cancelled_error(f"the NCCL {path} was aborted") from exc
+            raise
+
+    def reform_handle(self) -> CommHandle | None:
+        """The live handle a next round may shrink or grow (None once aborted)."""
+        handle = self._handle
+        return handle if handle is not None and handle.alive else None
+
     def _exchange_unique_id(self, store, seconds_left: float | None = None) -> bytes:
         key = self.spec.store_prefix + UNIQUE_ID_KEY
         if self.spec.rank == 0:
@@ -382,6 +460,14 @@ class NcclCommunicator(Communicator):
 
     def _abort(self) -> None:
         self._abort_nccl()
+
+    def release(self) -> None:
+        """After a shrink or grow (or an attempt), free the parent's handle: it is aborted, not finalized,
+        since a shrink's parent has ranks that are gone. Idempotent; nothing to do once aborted or closed."""
+        with self._lock:
+            self._closed = True
+        if self.reform_handle() is not None:
+            self._abort_nccl()
 
     def _abort_nccl(self) -> None:
         """Abort (idempotent, from any thread): never ``ncclCommDestroy`` on a live ring."""

@@ -37,6 +37,8 @@ class CommHandle:
         self.lib = lib
         self._ptr: int | None = ptr
         self._lock = threading.Lock()
+        #: Buffers NCCL's asynchronous job may still use (a child communicator's :class:`~elastic_ring.nccl_lib.OutComm`).
+        self.keep: object = None
 
     @property
     def alive(self) -> bool:
@@ -51,6 +53,14 @@ class CommHandle:
             if status not in (SUCCESS, IN_PROGRESS):
                 raise NcclError(what, status, self.lib.last_error(self._ptr) or self.lib.error_string(status))
             return status
+
+    def derive(self, what: str, fn: Callable[[int], object]) -> object:
+        """``fn(ptr)`` under the lock, returning what it returns (a new communicator from this one:
+        shrink, grow, its grow id); NcclError when detached."""
+        with self._lock:
+            if self._ptr is None:
+                raise NcclError(what, INVALID_USAGE, "the communicator was aborted or destroyed")
+            return fn(self._ptr)
 
     def state(self) -> int | None:
         """``ncclCommGetAsyncError``'s result, or None once detached."""

@@ -206,20 +206,18 @@ class NcclLibrary:
         if name not in self._optional:
             raise NcclUnavailable(f"{self.path} has no {name} (NCCL {self.version()}); re-form with a full init")
 
-    def shrink_nonblocking(self, comm: int, exclude_ranks: list[int], abort: bool) -> tuple[int | None, int]:
+    def shrink_nonblocking(self, comm: int, exclude_ranks: list[int], abort: bool) -> tuple["OutComm", int]:
         """Start shrinking ``comm`` without ``exclude_ranks`` (``abort``: end its in-flight work first,
-        NCCL_SHRINK_ABORT): ``(new handle or None, status)``, non-blocking as :meth:`init_rank_nonblocking`."""
+        NCCL_SHRINK_ABORT): ``(out, status)``. NCCL may write the new handle into ``out`` after this returns
+        (a child communicator is made by an asynchronous job), so ``out`` owns every buffer NCCL was given:
+        read :attr:`OutComm.value` until it is set, and :meth:`OutComm.abandon` it if you stop waiting."""
         self._need("ncclCommShrink")
-        ranks = (_c_int * max(1, len(exclude_ranks)))(*exclude_ranks)
-        new, config = _c_void_p(), nonblocking_config()
-        status = self._ncclCommShrink(comm, ranks, len(exclude_ranks), ctypes.byref(new), ctypes.byref(config),
+        out = OutComm()
+        out.keep((_c_int * max(1, len(exclude_ranks)))(*exclude_ranks), nonblocking_config())
+        ranks, config = out.kept
+        status = self._ncclCommShrink(comm, ranks, len(exclude_ranks), ctypes.byref(out.ptr), ctypes.byref(config),
                                       SHRINK_ABORT if abort else SHRINK_DEFAULT)
-        return new.value, status
-
-    def revoke(self, comm: int) -> int:
-        """Stop ``comm``'s in-flight operations (NCCL_REVOKE_DEFAULT); poll :meth:`async_error` for quiescence."""
-        self._need("ncclCommRevoke")
-        return self._ncclCommRevoke(comm, REVOKE_DEFAULT)
+        return out, status
 
     def comm_unique_id(self, comm: int) -> bytes:
         """A unique id for growing ``comm`` (used once, by :meth:`grow_nonblocking`)."""
@@ -229,20 +227,23 @@ class NcclLibrary:
         return ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES)
 
     def grow_nonblocking(self, comm: int | None, world_size: int, unique_id: bytes | None,
-                         rank: int) -> tuple[int | None, int]:
+                         rank: int) -> tuple["OutComm", int]:
         """Start growing to ``world_size`` ranks: a member passes its ``comm``, ``rank=-1`` and the id only on the
-        root; a new rank passes ``comm=None``, the id and its rank. ``(new handle or None, status)``."""
+        root; a new rank passes ``comm=None``, the id and its rank. ``(out, status)`` as :meth:`shrink_nonblocking`."""
         self._need("ncclCommGrow")
+        out = OutComm()
         uid_ptr = None
         if unique_id is not None:
             if len(unique_id) != UNIQUE_ID_BYTES:
                 raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
             uid = UniqueId()
             ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
+            out.keep(uid)
             uid_ptr = ctypes.byref(uid)
-        new, config = _c_void_p(), nonblocking_config()
-        status = self._ncclCommGrow(comm, world_size, uid_ptr, rank, ctypes.byref(new), ctypes.byref(config))
-        return new.value, status
+        config = nonblocking_config()
+        out.keep(config)
+        status = self._ncclCommGrow(comm, world_size, uid_ptr, rank, ctypes.byref(out.ptr), ctypes.byref(config))
+        return out, status
 
     def version(self) -> int:
         value = _c_int()
@@ -301,6 +302,30 @@ class NcclLibrary:
     def _ok(self, what: str, status: int) -> None:
         if status != SUCCESS:
             raise NcclError(what, status, self.error_string(status))
+
+
+class OutComm:
+    """The ``ncclComm_t*`` (and every buffer) handed to an asynchronous NCCL call that makes a child
+    communicator. NCCL's job may write the handle, and read the buffers, after the call returned: they must
+    stay alive until then. :meth:`abandon` keeps them for the life of the process (a few bytes)."""
+
+    _abandoned: list["OutComm"] = []
+    _abandoned_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.ptr = _c_void_p()
+        self.kept: list = []
+
+    def keep(self, *buffers) -> None:
+        self.kept.extend(buffers)
+
+    @property
+    def value(self) -> int | None:
+        return self.ptr.value
+
+    def abandon(self) -> None:
+        with OutComm._abandoned_lock:
+            OutComm._abandoned.append(self)
 
 
 _lock = threading.Lock()

@@ -95,14 +95,14 @@ def _store_client(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
     return store
 
 
-def _create(spec: RingSpec, store: dist.Store, formation: Formation) -> Communicator:
+def _create(spec: RingSpec, store: dist.Store, formation: Formation, parent: Communicator | None) -> Communicator:
     if spec.backend == "gloo":
         from .gloo_communicator import GlooCommunicator
 
         return GlooCommunicator(spec, store, formation)
     from .nccl_communicator import NcclCommunicator
 
-    return NcclCommunicator(spec, store, formation=formation)
+    return NcclCommunicator(spec, store, formation=formation, parent=parent)  # type: ignore[arg-type]
 
 
 def abort_round(round_id: int, reason: str) -> None:
@@ -196,7 +196,16 @@ def _enter_job(key: _JobKey) -> None:
 
 def _form(spec: RingSpec, key: _JobKey) -> Communicator:
     """Under ``_lock``: leave the previous ring, form ``spec``'s communicator as a cancellable
-    formation and publish it, unless its round was aborted before or meanwhile (then CommError)."""
+    formation and publish it, unless its round was aborted before or meanwhile (then CommError).
+    A previous NCCL communicator that ``spec`` may shrink or grow stays alive until the attempt ends."""
+    parent = _take_parent_locked(spec)
+    try:
+        return _form_from(spec, key, parent)
+    finally:
+        _retire(parent)
+
+
+def _form_from(spec: RingSpec, key: _JobKey, parent: Communicator | None) -> Communicator:
     global _current, _forming
     try:
         with _abort_lock:
@@ -210,7 +219,7 @@ def _form(spec: RingSpec, key: _JobKey) -> Communicator:
         _check_not_aborted_locked(spec, key)  # it may have come while this rank connected to the store
         _forming = formation
     try:
-        comm = _create(spec, store, formation)
+        comm = _create(spec, store, formation, parent)
     except BaseException:
         if formation.store_held and _stores.get(spec.store) is client:
             # an abandoned helper may hold this connection's lock until its own deadline
@@ -224,9 +233,31 @@ def _form(spec: RingSpec, key: _JobKey) -> Communicator:
             _check_not_aborted_locked(spec, key)  # the abort came after the formation ended
         except CommError:
             comm.abort()
+            comm.release()
             raise
         _current = comm
     return comm
+
+
+def _take_parent_locked(spec: RingSpec) -> Communicator | None:
+    """Under ``_lock``: the current communicator, taken out of use but kept alive, when ``spec`` may be
+    derived from it (NCCL shrink or grow of ``spec.parent_round``); None otherwise."""
+    global _current
+    comm = _current
+    if (comm is None or spec.backend != "nccl" or spec.nccl_reform != "shrink_grow"
+            or spec.parent_round is None or comm.spec.round_id != spec.parent_round):
+        return None
+    _current = None
+    ring_identity.set_current(None)
+    for hook in _teardown_hooks:
+        hook()
+    return comm
+
+
+def _retire(parent: Communicator | None) -> None:
+    """Free a parent after its child formed (or failed to): it is never used again."""
+    if parent is not None:
+        parent.release()
 
 
 def _shutdown_locked() -> None:
@@ -239,6 +270,7 @@ def _shutdown_locked() -> None:
                 comm.abort()
             else:
                 comm.close()
+            comm.release()
         finally:
             for hook in _teardown_hooks:
                 hook()

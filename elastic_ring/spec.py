@@ -19,6 +19,8 @@ from .constants import COLLECTIVE_TIMEOUT_S, CONNECT_TIMEOUT_S
 from .validation import check_int, check_number
 
 BACKENDS = ("gloo", "nccl")
+#: How an NCCL ring re-forms: a full init every round, or shrink/grow of the previous communicator where possible.
+NCCL_REFORMS = ("init", "shrink_grow")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ class RingSpec:
             value and object-collective payload is authenticated with it (see
             :mod:`elastic_ring.auth`). It is never sent anywhere: :meth:`to_wire` leaves it
             out, and :meth:`from_wire` takes it from the receiver. Required by :func:`init`.
+        nccl_reform: ``"init"`` (every round is a full NCCL init) or ``"shrink_grow"`` (a round that
+            only drops ranks of ``parent_round``, or only adds ranks after them, is derived from that
+            round's communicator by ``ncclCommShrink`` / ``ncclCommGrow``; see :mod:`elastic_ring.nccl_reform`).
+            Ignored by gloo.
+        parent_round: the previous round whose members this round keeps (None: no parent).
+        parent_ranks: for each rank of this round, its rank in ``parent_round``, or -1 for a newcomer.
     """
 
     round_id: int
@@ -68,6 +76,9 @@ class RingSpec:
     bind_host: str | None = None
     cuda_device: int | None = None
     auth_key: bytes | None = field(default=None, repr=False, compare=False)
+    nccl_reform: str = "init"
+    parent_round: int | None = None
+    parent_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_int("RingSpec.", "round_id", self.round_id, minimum=0)
@@ -93,12 +104,34 @@ class RingSpec:
             check_int("RingSpec.", "cuda_device", self.cuda_device, minimum=0, hint="None means torch's current device")
         if self.auth_key is not None:
             object.__setattr__(self, "auth_key", check_secret(self.auth_key, "RingSpec.auth_key"))
+        self._check_parent()
+
+    def _check_parent(self) -> None:
+        if self.nccl_reform not in NCCL_REFORMS:
+            raise ValueError(f"RingSpec.nccl_reform={self.nccl_reform!r} is unknown; use one of {NCCL_REFORMS}")
+        if (self.parent_round is None) != (self.parent_ranks is None):
+            raise ValueError(f"RingSpec.parent_round={self.parent_round!r} and parent_ranks={self.parent_ranks!r} "
+                             "go together: give both (the previous round and each rank's rank in it) or neither")
+        if self.parent_round is None:
+            return
+        check_int("RingSpec.", "parent_round", self.parent_round, minimum=0, maximum=self.round_id - 1,
+                  hint="an earlier round than round_id")
+        ranks = self.parent_ranks
+        if not isinstance(ranks, tuple) or len(ranks) != self.world_size or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= -1 for r in ranks):
+            raise ValueError(f"RingSpec.parent_ranks={ranks!r} must be a tuple of world_size={self.world_size} ints, "
+                             "each a rank of parent_round or -1 for a newcomer")
+        old = [r for r in ranks if r >= 0]
+        if len(set(old)) != len(old):
+            raise ValueError(f"RingSpec.parent_ranks={ranks!r} names a rank of parent_round twice")
 
     # ------------------------------------------------------------ plain encoding (no pickle)
     def to_wire(self) -> dict[str, Any]:
         """The spec as plain JSON data, without ``auth_key``."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "auth_key"}
         out["node_ids"] = list(self.node_ids)
+        if self.parent_ranks is not None:
+            out["parent_ranks"] = list(self.parent_ranks)
         out["store"] = {"host": self.store.host, "port": self.store.port}
         return out
 
@@ -117,6 +150,8 @@ class RingSpec:
             raise ValueError(f"ring spec store={store!r} must be an object with host and port")
         values["store"] = StoreAddress(store.get("host"), store.get("port"))
         values["node_ids"] = tuple(values.get("node_ids") or ())
+        if isinstance(values.get("parent_ranks"), list):
+            values["parent_ranks"] = tuple(values["parent_ranks"])
         return cls(**values, auth_key=auth_key)
 
     @property

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ring.constants import COLLECTIVE_TIMEOUT_S
+from elastic_ring.spec import NCCL_REFORMS
 from elastic_ring.validation import check_bool, check_int, check_number, is_number
 
 from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
@@ -59,6 +60,7 @@ class TrainerConfig:
     progress: bool | None = None
     timeline_path: str | None = None
     tune_allocator: bool = True
+    nccl_reform: str = "init"
 
     def __post_init__(self) -> None:
         check_int(_OWNER, "min_workers", self.min_workers, minimum=1)
@@ -91,6 +93,11 @@ class TrainerConfig:
         if not isinstance(self.tune_allocator, bool):
             raise ValueError(f"ElasticTrainer tune_allocator={self.tune_allocator!r} must be True or False (False keeps "
                              "glibc's allocator defaults in the worker processes)")
+        if self.nccl_reform not in NCCL_REFORMS:
+            raise ValueError(f"ElasticTrainer nccl_reform={self.nccl_reform!r} is unknown; use one of {NCCL_REFORMS}")
+        if self.nccl_reform != "init" and not self.use_gpu:
+            raise ValueError(f"ElasticTrainer nccl_reform={self.nccl_reform!r} re-forms NCCL communicators, which only "
+                             "a GPU job has: set use_gpu=True, or drop nccl_reform (gloo re-forms in milliseconds)")
         check_int(_OWNER, "max_failures", self.max_failures, minimum=0)
         for name in ("failure_window_s", "start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
                      "heartbeat_timeout_s", "collective_timeout_s", "stop_timeout_s"):

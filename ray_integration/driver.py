@@ -27,7 +27,7 @@ from .driver_states import (  # noqa: F401  (re-exported: the trainer and tests 
 )
 from .events import EventLog
 from .ray_watcher import RayWatcher
-from .ring_formation import Member, Ring, form_ring
+from .ring_formation import Member, Ring, form_ring, parent_ranks
 from .worker_pool import WorkerPool, WorkerRecord
 
 #: The driver's timers (silence, deadlines, drains) are looked at least this often.
@@ -216,7 +216,9 @@ class Driver:
         holders in a handover round, which re-forms without them right after its sync)."""
         chosen = (members + joiners)[: self.config.max_workers + extra]
         self.round_id += 1
+        parent = self.ring
         self.ring = form_ring([Member(r.worker_id, r.node_id, r.joined_seq, r.has_state) for r in chosen], self.round_id)
+        lineage = parent_ranks(parent, self.ring) if self.config.nccl_reform == "shrink_grow" else None
         store = er.StoreAddress(self.store_host, self.pool.store_port)
         for rank, worker_id in enumerate(self.ring.worker_ids):
             record = self.pool.records[worker_id]
@@ -224,7 +226,9 @@ class Driver:
                                node_ids=self.ring.node_ids, store=store, backend=self.config.backend,
                                job_id=self.pool.keys.job, collective_timeout_s=self.config.collective_timeout_s,
                                connect_timeout_s=self.config.connect_timeout_s,
-                               bind_host=record.info.get("node_ip") if record.info else None)
+                               bind_host=record.info.get("node_ip") if record.info else None,
+                               nccl_reform=self.config.nccl_reform,
+                               parent_round=parent.round_id if lineage else None, parent_ranks=lineage)
             was_member = record.in_ring
             self.pool.answer(record, spec, stop=stop, handover=handover)
             if not was_member and reason != "start":

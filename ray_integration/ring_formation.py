@@ -62,3 +62,12 @@ def form_ring(members: list[Member], round_id: int) -> Ring:
         ordered += sorted(by_node[node], key=lambda m: (not m.has_state, m.joined_seq, m.worker_id))
     return Ring(round_id=round_id, worker_ids=tuple(m.worker_id for m in ordered),
                 node_ids=tuple(m.node_id for m in ordered))
+
+
+def parent_ranks(parent: Ring | None, ring: Ring) -> tuple[int, ...] | None:
+    """For each rank of ``ring``, its rank in ``parent`` (-1 for a newcomer); None without a parent or when
+    nobody of the parent is in ``ring``. What an NCCL ring needs to shrink or grow instead of a full init."""
+    if parent is None:
+        return None
+    ranks = tuple(parent.worker_ids.index(w) if w in parent.worker_ids else -1 for w in ring.worker_ids)
+    return ranks if any(r >= 0 for r in ranks) else None

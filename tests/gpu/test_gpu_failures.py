@@ -105,15 +105,15 @@ def _form_without_peer(host, port, rank, connect_timeout_s):
     return {"error": None}
 
 
-@pytest.mark.parametrize("rank, words", [
-    (0, "NCCL communicator not formed within connect_timeout_s=3.0; a peer did not join (the creation was aborted)"),
-    (1, "rank 0 did not publish the NCCL unique id within connect_timeout_s=3.0"),
+@pytest.mark.parametrize("rank, words", [  # the round's arrival barrier names the rank that never came
+    (0, "could not form round 1 within connect_timeout_s=3.0"),
+    (1, "could not form round 1 within connect_timeout_s=3.0"),
 ])
 def test_a_peer_that_never_joins_fails_the_formation_and_the_process_forms_the_next_ring(gpu_ring, rank, words):
     address = gpu_ring.address
     [result] = gpu_ring.start(_form_without_peer, address.host, address.port, rank, 3.0, world_size=1,
                               form_ring=False).results(timeout_s=60)
-    assert words in result["error"], result
+    assert words in result["error"] and f"rank(s) {1 - rank} of 2 had not arrived" in result["error"], result
     assert 2.5 <= result["seconds"] <= 10.0 and not result["initialized"], result
     assert gpu_ring.run(_sum_of_ranks, world_size=2) == [(3.0, "cuda:0")] * 2
 
