@@ -146,7 +146,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     state.commit()  # the state's commit persists and ends the run on every rank of this round
                 comm = runtime.current_or_none()
                 if comm is not None:  # torch DistributedSamplers the loop split for its last ring follow this one
-                    if ring is not None and ring != (comm.rank, comm.size):
+                    if ring is not None:  # every re-entry after a re-form, also one with this rank's split unchanged
                         distributed_samplers.retarget_reachable(func, (state, *args), kwargs, comm.rank, comm.size,
                                                                 previous=ring)
                     ring = (comm.rank, comm.size)

@@ -208,3 +208,36 @@ def test_training_data_from_a_distributed_sampler_is_refused_after_a_re_form_eva
     else:  # the evaluation's DistributedSampler followed the new ring, with no error
         for world, evaluated in survivors:
             assert world == 2 and evaluated == sorted(list(range(23)) + [0]), (world, evaluated)
+
+
+def _same_split_job(host, port, job):
+    """Two ranks train from a torch DistributedSampler; after the first step both lose their round (no process
+    dies), so the loop re-enters in a ring of the same size, where each rank may keep its rank and split."""
+    er.elastic.set_rendezvous(StoreRendezvous(host, port, job, worlds=[2]))
+    model = torch.nn.Linear(1, 1)
+    optimizer = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
+    train_loader = DataLoader(DATA, batch_size=2, sampler=DistributedSampler(DATA, num_replicas=er.size(),
+                                                                             rank=er.rank(), shuffle=False))
+    state = TorchState(model=model, optimizer=optimizer, epoch=0)
+    failed = []
+
+    @er.elastic.run
+    def loop(state):
+        for (x,) in train_loader:
+            optimizer.zero_grad()
+            model(x.float().unsqueeze(1)).sum().backward()
+            optimizer.step()
+            if not failed:
+                failed.append(er.runtime.round_id())
+                er.runtime.abort_round(failed[0], "injected: the round is lost, nobody died")
+        return "finished"
+
+    return loop(state)
+
+
+def test_a_training_distributed_sampler_is_refused_even_when_the_new_ring_keeps_its_split(ring):
+    job = f"dss-{uuid.uuid4().hex[:6]}"
+    results = ring.start(_same_split_job, "127.0.0.1", ring.address.port, job, world_size=2).results(
+        timeout_s=60, raise_errors=False)
+    for failure in results:  # with the split unchanged the epoch would restart silently: samples trained twice
+        assert getattr(failure, "type_name", None) == "DistributedSamplerInTraining", results
