@@ -456,6 +456,7 @@ def _lose_a_process_set_member():
     import os
     import time
 
+    hvd.init()  # no set left registered by an earlier task in these processes
     rank = er.rank()
     pair = hvd.add_process_set([0, 1])
     hvd.allreduce(torch.ones(1), process_set=pair) if rank in (0, 1) else None  # the sub-ring forms
@@ -480,3 +481,49 @@ def test_losing_a_process_set_member_fails_its_collective_with_horovod_internal_
     outcome, elapsed = results[0]
     assert outcome == "HorovodInternalError True" and elapsed < 15
     assert results[1].type_name == "ProcessDied" and results[2] == "not a member"
+
+
+def _hvd_argument_error_on_one_rank():
+    hvd.init()  # no set left registered by an earlier task in these processes
+    rank = er.rank()
+    cases = {
+        "average and op": lambda bad: hvd.allreduce(torch.ones(2), average=True if bad else None, op=hvd.Sum),
+        "Adasum": lambda bad: hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum if bad else hvd.Sum),
+        "async Adasum": lambda bad: hvd.synchronize(hvd.allreduce_async(torch.ones(2), op=hvd.Adasum if bad else hvd.Sum)),
+        "reducescatter compression": lambda bad: hvd.reducescatter(
+            torch.ones(2), compression=hvd.Compression.fp16 if bad else hvd.Compression.none),
+        "sparse Max": lambda bad: hvd.sparse_allreduce_async(torch.ones(2, 2).to_sparse(), "s",
+                                                            hvd.Max if bad else hvd.Sum)(),
+    }
+    out = {}
+    for label, call in cases.items():
+        try:
+            call(rank == 1)
+            out[label] = "no error"
+        except (ValueError, NotImplementedError) as exc:
+            out[label] = type(exc).__name__
+        hvd.barrier()
+    evens = hvd.add_process_set([0, 2])
+    if rank in (0, 2):
+        try:
+            hvd.broadcast(torch.ones(1), root_rank=1 if rank == 2 else 0, process_set=evens)  # rank 2 only: outside
+            out["root outside the set"] = "no error"
+        except ValueError as exc:
+            out["root outside the set"] = type(exc).__name__
+        hvd.barrier(process_set=evens)
+    hvd.remove_process_set(evens)
+    out["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+    return out
+
+
+def test_an_hvd_argument_error_on_one_rank_makes_every_rank_raise(ring):
+    results = ring.run(_hvd_argument_error_on_one_rank, world_size=3, timeout_s=60, collective_timeout_s=30)
+    for rank, out in enumerate(results):
+        assert out.pop("after") == 3.0
+        expected_bad = {"average and op": "ValueError", "Adasum": "NotImplementedError",
+                        "async Adasum": "NotImplementedError", "reducescatter compression": "NotImplementedError",
+                        "sparse Max": "ValueError"}
+        for label, kind in expected_bad.items():
+            assert out[label] == (kind if rank == 1 else "TensorMismatchError"), (rank, label, out[label])
+        if rank in (0, 2):
+            assert out["root outside the set"] == ("ValueError" if rank == 2 else "TensorMismatchError")

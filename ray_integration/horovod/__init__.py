@@ -27,6 +27,8 @@ import torch
 import elastic_ring as er
 from elastic_ring import process_sets as _process_sets
 from elastic_ring import runtime
+from elastic_ring.collectives import loose_entries as _loose_entries
+from elastic_ring.collectives import refuse as _refuse
 from elastic_ring.compression import Compression
 from elastic_ring.errors import NotInitializedError, TensorMismatchError
 from elastic_ring.handles import Handle
@@ -238,6 +240,18 @@ def _on(process_set: Any) -> Iterator[list[int] | None]:
         yield list(process_set.ranks)
 
 
+def _agreed(kind: str, tensors: Any, process_set: Any, validate: Callable[[], Any]) -> Any:
+    """``validate()``'s result; when it raises (``average=`` and ``op=`` both, ``op=Adasum``, a root outside the
+    process set...), every rank raises, not only this one: the error rides in the call's signature check on the
+    ring (or the set's sub-ring), as :func:`elastic_ring.collectives.agree` does for elastic_ring's own
+    arguments. The peers, which made a valid call, raise ``TensorMismatchError`` naming this rank's problem."""
+    try:
+        return validate()
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        with _on(process_set):
+            _refuse(_process_sets.current(), kind, _loose_entries(tensors, kind), None, exc)
+
+
 def _root(root_rank: Any, ranks: list[int] | None) -> Any:
     """A global root rank as the sub-ring's rank (Horovod's roots are global ranks)."""
     if ranks is None or not isinstance(root_rank, int):
@@ -415,6 +429,13 @@ def _scaled(tensors: Sequence[torch.Tensor], factor: float) -> list[torch.Tensor
     return [_scale(t, factor) for t in tensors]
 
 
+def _sparse_op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
+    reduce_op = _op(average, op)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"a sparse tensor is reduced with op=Sum or op=Average, not op={reduce_op.value}")
+    return reduce_op
+
+
 @_hvd_call
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=Compression.none, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
@@ -422,9 +443,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """Horovod's allreduce (differentiable): ``postscale * reduce(prescale * tensor)``. A sparse tensor is
     reduced as :func:`sparse_allreduce_async` does (Sum or Average; the result is sparse)."""
     if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
-        reduce_op = _op(average, op)
-        if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise ValueError(f"a sparse tensor is reduced with op=Sum or op=Average, not op={reduce_op.value}")
+        reduce_op = _agreed("sparse_allreduce", [], process_set, lambda: _sparse_op(average, op))
         scaled = tensor if prescale_factor == 1.0 else tensor * prescale_factor
         out = sparse_allreduce_async(scaled, name, reduce_op, process_set)()
         return out if postscale_factor == 1.0 else out * postscale_factor
@@ -443,7 +462,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression=Compression.none, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
-    reduce_op = _op(average, op)
+    reduce_op = _agreed("grouped_allreduce", tensors, process_set, lambda: _op(average, op))
     with _on(process_set):
         reduced = er.grouped_allreduce(_scaled(tensors, prescale_factor), op=reduce_op, name=name,
                                        compression=compression)
@@ -454,7 +473,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
-    reduce_op = _op(average, op)
+    reduce_op = _agreed("grouped_allreduce_", tensors, process_set, lambda: _op(average, op))
     with torch.no_grad(), _on(process_set):
         for t in tensors:
             t.copy_(_scale(t, prescale_factor))
@@ -481,14 +500,16 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     with _on(process_set) as ranks:
-        return er.broadcast(tensor, _root(root_rank, ranks), name=name)
+        return er.broadcast(tensor, _agreed("broadcast", tensor, process_set, lambda: _root(root_rank, ranks)),
+                            name=name)
 
 
 @_hvd_call
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     with torch.no_grad(), _on(process_set) as ranks:
-        return er.broadcast_(tensor, _root(root_rank, ranks), name=name)
+        return er.broadcast_(tensor, _agreed("broadcast_", tensor, process_set, lambda: _root(root_rank, ranks)),
+                             name=name)
 
 
 @_hvd_call
@@ -502,10 +523,14 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Com
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression=Compression.none,
                           op: ReduceOp | str = Average, process_set: Any = global_process_set,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    if compression is not Compression.none:
-        raise NotImplementedError("reducescatter with compression is not supported by elastic_ring; leave it out")
+    def validate() -> ReduceOp:
+        if compression is not Compression.none:
+            raise NotImplementedError("reducescatter with compression is not supported by elastic_ring; leave it out")
+        return _op(None, op)
+
+    reduce_op = _agreed("grouped_reducescatter", tensors, process_set, validate)
     with _on(process_set):
-        out = er.grouped_reducescatter(_scaled(tensors, prescale_factor), op=_op(None, op), name=name)
+        out = er.grouped_reducescatter(_scaled(tensors, prescale_factor), op=reduce_op, name=name)
     return _scaled(out, postscale_factor)
 
 
@@ -539,7 +564,7 @@ def synchronize(handle: Any) -> Any:
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set):
-    reduce_op = _op(average, op)
+    reduce_op = _agreed("allreduce_async", tensor, process_set, lambda: _op(average, op))
     if prescale_factor == postscale_factor == 1.0 and not (isinstance(tensor, torch.Tensor) and tensor.is_sparse):
         with _on(process_set):  # launched now, runs while the script works
             return er.allreduce_async(tensor, op=reduce_op, name=name)
@@ -551,7 +576,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set):
-    reduce_op = _op(average, op)
+    reduce_op = _agreed("allreduce_async_", tensor, process_set, lambda: _op(average, op))
     if prescale_factor == postscale_factor == 1.0:
         with _on(process_set):
             return er.allreduce_async_(tensor, op=reduce_op, name=name)
@@ -562,7 +587,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = global_process_set):
-    reduce_op = _op(average, op)
+    reduce_op = _agreed("grouped_allreduce_async", tensors, process_set, lambda: _op(average, op))
     if prescale_factor == postscale_factor == 1.0:
         with _on(process_set):
             return er.grouped_allreduce_async(list(tensors), op=reduce_op, name=name)
@@ -574,7 +599,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: Any = global_process_set):
-    reduce_op = _op(average, op)
+    reduce_op = _agreed("grouped_allreduce_async_", tensors, process_set, lambda: _op(average, op))
     if prescale_factor == postscale_factor == 1.0:
         with _on(process_set):
             return er.grouped_allreduce_async_(list(tensors), op=reduce_op, name=name)
@@ -624,18 +649,25 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 class _SparseHandle:
     """What :func:`sparse_allreduce_async` returns: call it (or pass it to :func:`synchronize`) for the result."""
 
-    def __init__(self, tensor: torch.Tensor, indices: Handle, values: Handle, divisor: int | None) -> None:
-        self._tensor, self._indices, self._values, self._divisor = tensor, indices, values, divisor
+    def __init__(self, tensor: torch.Tensor, start: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 divisor: int | None) -> None:
+        self._tensor, self._divisor = tensor, divisor
         self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        try:  # both allgathers now, in order (as elastic_ring's allgathers complete at the call); an error (a
+            # mismatch with a peer) stops before the second, so that it cannot pair with the peer's next call
+            self._parts: tuple[torch.Tensor, torch.Tensor] | None = start()
+        except Exception as exc:  # noqa: BLE001 - delivered by the call, as Horovod's handles do
+            self._parts, self._error = None, exc
 
     def done(self) -> bool:
-        return self._result is not None or (self._indices.done() and self._values.done())
+        return True
 
     def __call__(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
         if self._result is None:
-            with _horovod_errors():
-                values = er.synchronize(self._values)
-                indices = er.synchronize(self._indices)
+            indices, values = self._parts
             if self._divisor is not None:
                 values = values / self._divisor
             self._result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, self._tensor.size(),
@@ -652,12 +684,16 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async reduces a sparse COO tensor (tensor.is_sparse); use allreduce_async "
                          "for a dense one")
-    reduce_op = _op(None, op)
-    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
-                              process_set=process_set)
-    values = allgather_async(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    reduce_op = _agreed("sparse_allreduce", [], process_set, lambda: _sparse_op(None, op))
+
+    def start() -> tuple[torch.Tensor, torch.Tensor]:
+        indices = allgather(tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+                            process_set=process_set)
+        values = allgather(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
+        return indices, values
+
     members = size() if process_set is None or process_set is global_process_set else len(process_set.ranks or ())
-    return _SparseHandle(tensor, indices, values, members if reduce_op is ReduceOp.AVERAGE else None)
+    return _SparseHandle(tensor, start, members if reduce_op is ReduceOp.AVERAGE else None)
 
 
 # ------------------------------------------------------------------ objects, barrier, join
@@ -665,7 +701,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
     with _on(process_set) as ranks:
-        return er.broadcast_object(obj, _root(root_rank, ranks), name=name)
+        return er.broadcast_object(obj, _agreed("broadcast_object", [], process_set, lambda: _root(root_rank, ranks)),
+                                   name=name)
 
 
 @_hvd_call
