@@ -15,7 +15,7 @@ socket transport on loopback). Each repetition, alternating the two modes (``ncc
 A shrink or grow that fails is reported, and the round is formed again by a full init (the time counts both).
 
 Each time is the slowest rank's ``er.init(spec)``: from the call to the end of the warm-up collective that
-proves every peer is connected. The path each round took is printed (a libnccl without shrink, revoke or grow
+proves every peer is connected. The path each round took is printed (a libnccl without shrink or grow
 falls back to a full init). Prints medians and the ratios.
 
     python -m benchmarks.nccl_reform [--world 3] [--repeats 4] [--backend nccl]

@@ -176,6 +176,8 @@ class _NcclWork(Work):
 class NcclCommunicator(Communicator):
     """Communicator of one round over NCCL. ``store`` offers ``set(key, bytes)`` / ``get(key)``."""
 
+    _lent = False  # handed to the next round to shrink or grow (lend)
+
     def __init__(self, spec: RingSpec, store, watchdog: Watchdog | None = None,
                  formation: Formation | None = None, parent: "NcclCommunicator | None" = None) -> None:
         super().__init__(spec)
@@ -242,37 +244,26 @@ class NcclCommunicator(Communicator):
         spec = self.spec
         if parent is not None and parent.spec.round_id != spec.parent_round:
             parent = None
-        plan = nccl_reform.plan_for(spec.parent_round, spec.parent_ranks,
-                                    parent.spec.world_size if parent is not None else None)
-        my_parent_rank = spec.parent_ranks[spec.rank]  # type: ignore[index]
-        alive = parent is not None and parent.reform_handle() is not None
-        if plan is not None and my_parent_rank >= 0 and parent is not None and parent.spec.rank != my_parent_rank:
-            alive = False  # the spec says this process had another rank in the parent: not that communicator
-        token = nccl_reform.token(plan, my_parent_rank, alive, self._lib.has)
-        store.set(f"{spec.store_prefix}{nccl_reform.TOKEN_KEY}{spec.rank}", token)
-        return plan
+        usable = parent is not None and parent.usable_as_parent() and not nccl_reform.shares_resources(os.environ)
+        return nccl_reform.publish_token(store, spec, parent.spec.world_size if parent is not None else None,
+                                         parent.spec.rank if parent is not None else None, usable, self._lib.has)
 
     def _agree(self, store, plan: nccl_reform.Plan | None, parent: "NcclCommunicator | None",
                seconds_left: float) -> tuple[str, bytes | None]:
         """After the barrier: the path every rank takes, and the id it needs (a full init's or a grow's)."""
         spec = self.spec
-        if not self._reform_wanted():
-            return nccl_reform.INIT, self._exchange_unique_id(store, seconds_left)
-        keys = [f"{spec.store_prefix}{nccl_reform.TOKEN_KEY}{r}" for r in range(spec.world_size)]
-        path = nccl_reform.agreed(store.multi_get(keys), plan)
-        if path == nccl_reform.INIT:
-            return path, self._exchange_unique_id(store, seconds_left)
-        if path == nccl_reform.SHRINK:
-            return path, None
-        key = spec.store_prefix + nccl_reform.GROW_ID_KEY
-        if spec.rank == 0:  # the root of a grow is a member: the parent's rank 0
-            unique_id = nccl_reform.grow_id(parent.reform_handle(), spec.identity)  # type: ignore[union-attr,arg-type]
-            store.set(key, unique_id)
-            return path, unique_id
-        if spec.parent_ranks[spec.rank] >= 0:  # type: ignore[index]
-            return path, None  # members other than the root pass no id
-        store.wait([key], datetime.timedelta(seconds=seconds_left))
-        return path, check_unique_id(store.get(key), spec.identity)
+        if self._reform_wanted():
+            def grow_id() -> bytes:
+                handle = parent.reform_handle() if parent is not None else None
+                if handle is None:
+                    raise CommError(f"[{spec.identity}] the communicator of round {spec.parent_round} to grow "
+                                    "was aborted meanwhile")
+                return nccl_reform.grow_id(handle, spec.identity)
+
+            path, unique_id = nccl_reform.agree(store, spec, plan, grow_id, seconds_left)
+            if path != nccl_reform.INIT:
+                return path, (None if unique_id is None else check_unique_id(unique_id, spec.identity))
+        return nccl_reform.INIT, self._exchange_unique_id(store, seconds_left)
 
     def _derive(self, path: str, plan: nccl_reform.Plan, parent: "NcclCommunicator | None", unique_id: bytes | None,
                 deadline: float, formation: Formation) -> CommHandle:
@@ -283,12 +274,15 @@ class NcclCommunicator(Communicator):
             return float("inf") if formation.cancelled else time.monotonic()
 
         who = f"{spec.identity} on {self._device}"
+        member = spec.parent_ranks[spec.rank] >= 0  # type: ignore[index]
         handle = parent.reform_handle() if parent is not None else None
+        if member and handle is None:
+            raise CommError(f"[{who}] cannot {path} round {spec.parent_round}: its communicator was aborted "
+                            "meanwhile; the next round forms by a full init")
         try:
             with torch.cuda.device(self._device):
                 if path == nccl_reform.SHRINK:
-                    # only a healthy parent gets here (a failed one was aborted, so its token said init)
-                    return nccl_reform.shrink(handle, plan.exclude, parent.errored, deadline, who,  # type: ignore
+                    return nccl_reform.shrink(handle, plan.exclude, deadline, who,  # type: ignore[arg-type]
                                               spec.connect_timeout_s, clock=clock)
                 return nccl_reform.grow(self._lib, handle, spec.world_size, unique_id, spec.rank, deadline, who,
                                         spec.connect_timeout_s, clock=clock)
@@ -296,6 +290,26 @@ class NcclCommunicator(Communicator):
             if formation.cancelled:
                 raise formation.cancelled_error(f"the NCCL {path} was aborted") from exc
             raise
+
+    def lend(self) -> None:
+        """The runtime hands this communicator to the next round (a shrink or grow may derive from it): from
+        now on a failure recorded on it (``fail``, ``abort_round``, the watchdog) no longer aborts it under the
+        derivation; :meth:`release` does, once the next round formed or gave up."""
+        with self._lock:
+            self._lent = True
+        if self._watchdog is not None:
+            self._watchdog.forget(self)
+
+    def usable_as_parent(self) -> bool:
+        """Healthy, alive and idle: every collective it launched has completed (nothing for a shrink to
+        abort), and nothing failed."""
+        if self._error is not None or self.reform_handle() is None:
+            return False
+        try:
+            with torch.cuda.device(self._device):
+                return bool(self._stream.query())
+        except RuntimeError:  # a CUDA error: not a communicator to derive from
+            return False
 
     def reform_handle(self) -> CommHandle | None:
         """The live handle a next round may shrink or grow (None once aborted)."""
@@ -357,7 +371,8 @@ class NcclCommunicator(Communicator):
     def watchdog_failed(self, error: CommError) -> None:
         if self._error is None:
             self._error = error
-        self._abort_nccl()
+        if not self._lent:  # a lent communicator is aborted by release(), after the derivation
+            self._abort_nccl()
 
     def raise_if_failed(self) -> None:
         """Raise a CommError naming the first failure (e.g. the watchdog's) if there was one."""
@@ -459,13 +474,15 @@ class NcclCommunicator(Communicator):
             self._watchdog.forget(self)
 
     def _abort(self) -> None:
-        self._abort_nccl()
+        if not self._lent:  # a lent communicator is aborted by release(), after the derivation
+            self._abort_nccl()
 
     def release(self) -> None:
         """After a shrink or grow (or an attempt), free the parent's handle: it is aborted, not finalized,
         since a shrink's parent has ranks that are gone. Idempotent; nothing to do once aborted or closed."""
         with self._lock:
             self._closed = True
+            self._lent = False
         if self.reform_handle() is not None:
             self._abort_nccl()
 

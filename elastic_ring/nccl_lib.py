@@ -25,6 +25,11 @@ import ctypes
 import importlib.util
 import os
 import threading
+import time
+
+from .log import get_logger
+
+_log = get_logger(__name__)
 
 #: NCCL from which ``ncclCommAbort`` reliably interrupts a communicator whose
 #: creation or collective is blocked on a lost peer.
@@ -307,10 +312,15 @@ class NcclLibrary:
 class OutComm:
     """The ``ncclComm_t*`` (and every buffer) handed to an asynchronous NCCL call that makes a child
     communicator. NCCL's job may write the handle, and read the buffers, after the call returned: they must
-    stay alive until then. :meth:`abandon` keeps them for the life of the process (a few bytes)."""
+    stay alive until then. :meth:`abandon` keeps them for the life of the process (a few bytes) and has a
+    reaper thread abort a handle that NCCL writes later (for up to REAP_S)."""
 
+    #: How long the reaper watches an abandoned out-pointer for a late handle.
+    REAP_S = 120.0
     _abandoned: list["OutComm"] = []
+    _watching: list[tuple["OutComm", object, float]] = []
     _abandoned_lock = threading.Lock()
+    _reaper: threading.Thread | None = None
 
     def __init__(self) -> None:
         self.ptr = _c_void_p()
@@ -323,9 +333,39 @@ class OutComm:
     def value(self) -> int | None:
         return self.ptr.value
 
-    def abandon(self) -> None:
+    def abandon(self, lib) -> None:
+        """Nobody waits for this child any more: keep the buffers forever, abort the handle if there is or
+        comes one (``lib.abort``)."""
         with OutComm._abandoned_lock:
             OutComm._abandoned.append(self)
+            OutComm._watching.append((self, lib, time.monotonic() + OutComm.REAP_S))
+            if OutComm._reaper is None or not OutComm._reaper.is_alive():
+                OutComm._reaper = threading.Thread(target=OutComm._reap, name="elastic-ring-nccl-child-reaper",
+                                                   daemon=True)
+                OutComm._reaper.start()
+
+    @staticmethod
+    def _reap() -> None:
+        while True:
+            with OutComm._abandoned_lock:
+                now, keep = time.monotonic(), []
+                for entry in OutComm._watching:
+                    out, lib, until = entry
+                    value = out.value
+                    if value is not None:
+                        out.ptr.value = None  # aborted once
+                        try:
+                            lib.abort(value)
+                        except Exception as exc:  # noqa: BLE001 - a reaper has nobody to raise to: logged
+                            _log.warning("aborting a late NCCL child communicator failed: %s: %s",
+                                         type(exc).__name__, exc)
+                    elif now < until:
+                        keep.append(entry)
+                OutComm._watching = keep
+                if not keep:
+                    OutComm._reaper = None
+                    return
+            time.sleep(0.05)
 
 
 _lock = threading.Lock()

@@ -48,9 +48,10 @@ the handle operations take a library object, so they run against a fake library 
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from .errors import CommError
 from .nccl_handle import CommHandle, abort, settle
@@ -124,6 +125,51 @@ def token(plan: Plan | None, my_parent_rank: int, parent_alive: bool, has: Calla
     return plan.kind.encode()
 
 
+#: Environment variables that make a child share its parent's resources (then aborting the parent, as
+#: :meth:`release` does, would end the child too): a rank that sees one set publishes init.
+SHARE_VARIABLES = ("NCCL_COMM_SHRINK_SHARE_RESOURCES", "NCCL_COMM_SPLIT_SHARE_RESOURCES")
+
+
+def shares_resources(environ: Mapping[str, str]) -> bool:
+    return any(environ.get(name, "0").strip() not in ("", "0") for name in SHARE_VARIABLES)
+
+
+def token_key(spec, rank: int) -> str:
+    return f"{spec.store_prefix}{TOKEN_KEY}{rank}"
+
+
+def publish_token(store, spec, parent_size: int | None, parent_rank: int | None, usable: bool,
+                  has: Callable[[str], bool]) -> Plan | None:
+    """Before the round's arrival barrier: this rank's plan, and its token in the store. ``parent_size`` and
+    ``parent_rank`` describe the communicator this process holds for ``spec.parent_round`` (None: none);
+    ``usable``: it is alive, healthy and idle."""
+    plan = plan_for(spec.parent_round, spec.parent_ranks, parent_size)
+    mine = spec.parent_ranks[spec.rank]
+    # the spec says this process had another rank in the parent: the communicator it holds is not that one
+    usable = usable and (mine < 0 or parent_rank == mine)
+    store.set(token_key(spec, spec.rank), token(plan, mine, usable, has))
+    return plan
+
+
+def agree(store, spec, plan: Plan | None, grow_id: Callable[[], bytes],
+          seconds_left: float) -> tuple[str, bytes | None]:
+    """After the barrier: the path every rank takes (every token read) and, for a grow, the id this rank
+    passes (the root makes it with ``grow_id()`` and publishes it; other members pass none; a newcomer
+    waits for it). For INIT the caller exchanges a full init's unique id as usual."""
+    path = agreed(store.multi_get([token_key(spec, r) for r in range(spec.world_size)]), plan)
+    if path != GROW:
+        return path, None
+    key = spec.store_prefix + GROW_ID_KEY
+    if spec.rank == 0:  # a grow's rank 0 is the parent's rank 0: the root
+        unique_id = grow_id()
+        store.set(key, unique_id)
+        return path, unique_id
+    if spec.parent_ranks[spec.rank] >= 0:
+        return path, None
+    store.wait([key], datetime.timedelta(seconds=max(seconds_left, 0.001)))
+    return path, store.get(key)
+
+
 def agreed(tokens: list[bytes], plan: Plan | None) -> str:
     """The path every rank takes: the plan's kind when every token names it, else INIT."""
     if plan is None:
@@ -137,19 +183,22 @@ def _await_child(lib, out, status: int, parent: CommHandle | None, what: str, de
                  timeout_s: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> CommHandle:
     """The child communicator NCCL writes into ``out`` (maybe after the call returned: its job is asynchronous),
     settled. CommError when the call or the parent failed, or past ``deadline`` (``out`` is then abandoned,
-    since NCCL may still write into it, and a handle that came is aborted)."""
+    since NCCL may still write into it: a handle that comes later is aborted by its reaper)."""
     if status not in (SUCCESS, IN_PROGRESS):
-        out.abandon()
+        out.abandon(lib)
         detail = lib.last_error(None) or lib.error_string(status)
         raise CommError(f"[{identity}] NCCL {what} failed ({RESULT_NAMES.get(status, status)}: {detail})")
     delay = 50e-6
     while out.value is None:
         state = parent.state() if parent is not None else None
+        if parent is not None and state is None:
+            out.abandon(lib)
+            raise CommError(f"[{identity}] NCCL {what} failed: the parent communicator was aborted meanwhile")
         if state is not None and state not in (SUCCESS, IN_PROGRESS):
-            out.abandon()
+            out.abandon(lib)
             raise CommError(f"[{identity}] NCCL {what} failed: the parent communicator reports {parent.describe(state)}")
         if clock() > deadline:
-            out.abandon()
+            out.abandon(lib)
             raise CommError(f"[{identity}] NCCL {what} gave no communicator within connect_timeout_s={timeout_s}; "
                             "a peer did not take part")
         sleep(delay)
@@ -168,14 +217,13 @@ def _await_child(lib, out, status: int, parent: CommHandle | None, what: str, de
     return handle
 
 
-def shrink(parent: CommHandle, exclude: tuple[int, ...], parent_errored: bool, deadline: float, identity: str,
+def shrink(parent: CommHandle, exclude: tuple[int, ...], deadline: float, identity: str,
            timeout_s: float, clock: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep) -> CommHandle:
-    """The parent without ``exclude``, as a new handle (``NCCL_SHRINK_ABORT`` when the parent failed)."""
+    """The (healthy, idle) parent without ``exclude``, as a new handle (``NCCL_SHRINK_DEFAULT``)."""
     lib = parent.lib
     try:
-        out, status = parent.derive("ncclCommShrink", lambda p: lib.shrink_nonblocking(p, list(exclude),
-                                                                                     parent_errored))
+        out, status = parent.derive("ncclCommShrink", lambda p: lib.shrink_nonblocking(p, list(exclude), False))
     except NcclError as exc:
         raise CommError(f"[{identity}] NCCL ncclCommShrink failed: {exc}") from exc
     return _await_child(lib, out, status, parent, "ncclCommShrink", deadline, identity, timeout_s, clock, sleep)

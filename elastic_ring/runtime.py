@@ -243,11 +243,14 @@ def _take_parent_locked(spec: RingSpec) -> Communicator | None:
     """Under ``_lock``: the current communicator, taken out of use but kept alive, when ``spec`` may be
     derived from it (NCCL shrink or grow of ``spec.parent_round``); None otherwise."""
     global _current
-    comm = _current
-    if (comm is None or spec.backend != "nccl" or spec.nccl_reform != "shrink_grow"
-            or spec.parent_round is None or comm.spec.round_id != spec.parent_round):
-        return None
-    _current = None
+    with _abort_lock:  # abort_round reads _current under it: once taken, it is not failed as the current ring
+        comm = _current
+        if (comm is None or spec.backend != "nccl" or spec.nccl_reform != "shrink_grow"
+                or spec.parent_round is None or comm.spec.round_id != spec.parent_round
+                or comm.spec.job_id != spec.job_id or comm.spec.store != spec.store):
+            return None
+        _current = None
+        comm.lend()  # type: ignore[attr-defined]  # a failure recorded from now on is aborted by release()
     ring_identity.set_current(None)
     for hook in _teardown_hooks:
         hook()
@@ -256,8 +259,13 @@ def _take_parent_locked(spec: RingSpec) -> Communicator | None:
 
 def _retire(parent: Communicator | None) -> None:
     """Free a parent after its child formed (or failed to): it is never used again."""
-    if parent is not None:
+    if parent is None:
+        return
+    try:
         parent.release()
+    except Exception as exc:  # noqa: BLE001 - the new round stands; a parent that cannot be freed is logged
+        _log.warning("[%s] freeing the previous round's communicator failed: %s: %s", parent.spec.identity,
+                     type(exc).__name__, exc)
 
 
 def _shutdown_locked() -> None:

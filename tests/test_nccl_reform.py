@@ -109,7 +109,7 @@ class _Out:
     def __init__(self, value):
         self.value, self.abandoned = value, False
 
-    def abandon(self):
+    def abandon(self, lib):
         self.abandoned = True
 
 
@@ -145,12 +145,12 @@ class ReformLib(FakeLib):
         return SUCCESS
 
 
-def test_shrink_derives_a_settled_handle_from_the_parent_and_aborts_in_flight_work_of_a_failed_one():
+def test_shrink_derives_a_settled_handle_from_a_healthy_parent():
     lib, clock = ReformLib([IN_PROGRESS, SUCCESS]), FakeClock()
     parent = CommHandle(lib, 0xC0FFEE)
-    child = nccl_reform.shrink(parent, (1,), True, clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
+    child = nccl_reform.shrink(parent, (1,), clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
     assert child.alive and parent.alive  # the runtime frees the parent afterwards
-    assert lib.calls == [("shrink", 0xC0FFEE, (1,), True)]
+    assert lib.calls == [("shrink", 0xC0FFEE, (1,), False)]  # NCCL_SHRINK_DEFAULT: the parent is idle
 
 
 def test_a_handle_nccl_writes_after_the_call_returned_is_awaited():
@@ -163,21 +163,21 @@ def test_a_handle_nccl_writes_after_the_call_returned_is_awaited():
         if len(clock.sleeps) == 3:
             lib.outs[-1].value = 0xBEEF
 
-    child = nccl_reform.shrink(parent, (1,), False, clock() + 3, "rank 0/2 round 5", 3.0, clock, sleep)
+    child = nccl_reform.shrink(parent, (1,), clock() + 3, "rank 0/2 round 5", 3.0, clock, sleep)
     assert child.alive and child.keep is lib.outs[-1] and not lib.outs[-1].abandoned
 
 
 def test_a_handle_that_never_comes_is_abandoned_with_its_buffers_not_freed():
     lib, clock = ReformLib(writes_at_once=False), FakeClock()
     with pytest.raises(CommError, match="ncclCommShrink gave no communicator within connect_timeout_s=3"):
-        nccl_reform.shrink(CommHandle(lib, 0xC0FFEE), (1,), False, clock() + 3, "r", 3.0, clock, clock.sleep)
+        nccl_reform.shrink(CommHandle(lib, 0xC0FFEE), (1,), clock() + 3, "r", 3.0, clock, clock.sleep)
     assert lib.outs[-1].abandoned  # NCCL may still write into it: kept for the life of the process
 
 
 def test_a_failing_parent_ends_the_wait_for_its_child():
     lib, clock = ReformLib([3], writes_at_once=False), FakeClock()  # the parent reports ncclInternalError
     with pytest.raises(CommError, match="the parent communicator reports ncclInternalError"):
-        nccl_reform.shrink(CommHandle(lib, 0xC0FFEE), (1,), False, clock() + 3, "r", 3.0, clock, clock.sleep)
+        nccl_reform.shrink(CommHandle(lib, 0xC0FFEE), (1,), clock() + 3, "r", 3.0, clock, clock.sleep)
     assert lib.outs[-1].abandoned
 
 
@@ -185,7 +185,7 @@ def test_a_shrink_past_its_deadline_aborts_the_new_communicator():
     lib, clock = ReformLib([IN_PROGRESS]), FakeClock()
     parent = CommHandle(lib, 0xC0FFEE)
     with pytest.raises(CommError, match="ncclCommShrink did not finish within connect_timeout_s=3"):
-        nccl_reform.shrink(parent, (2,), False, clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
+        nccl_reform.shrink(parent, (2,), clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
     assert lib.calls[-1] == ("abort", 0xBEEF)
 
 
@@ -194,7 +194,7 @@ def test_a_shrink_of_an_aborted_parent_fails_clearly():
     parent = CommHandle(lib, 0xC0FFEE)
     parent.detach()
     with pytest.raises(CommError, match="ncclCommShrink failed.*aborted or destroyed"):
-        nccl_reform.shrink(parent, (1,), True, clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
+        nccl_reform.shrink(parent, (1,), clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
 
 
 def test_grow_members_pass_their_parent_and_newcomers_their_rank():
@@ -233,6 +233,9 @@ class _FakeComm:
     def release(self):
         self.log.append("release")
 
+    def lend(self):
+        self.log.append("lend")
+
 
 def test_the_runtime_hands_the_previous_communicator_to_a_round_derived_from_it_then_frees_it(monkeypatch):
     from elastic_ring import runtime
@@ -251,12 +254,152 @@ def test_the_runtime_hands_the_previous_communicator_to_a_round_derived_from_it_
     try:
         first = runtime.init(spec(1, 3, nccl_reform="shrink_grow"))
         second = runtime.init(spec(2, 2, nccl_reform="shrink_grow", parent_round=1, parent_ranks=(0, 2)))
-        assert second.parent is first and first.log == ["release"]  # kept alive for the shrink, then freed
+        assert second.parent is first and first.log == ["lend", "release"]  # kept alive for the shrink, then freed
         third = runtime.init(spec(3, 2, nccl_reform="shrink_grow", parent_round=1, parent_ranks=(0, 1)))
         assert third.parent is None  # round 1 is not this process's current round: a full init
         assert second.log == ["close", "release"]
         fourth = runtime.init(spec(4, 3, parent_round=3, parent_ranks=(0, 1, -1)))  # nccl_reform="init"
         assert fourth.parent is None and third.log == ["close", "release"]
+        # a child that fails to form: the parent is freed all the same, and the error is the child's
+        monkeypatch.setattr(runtime, "_create", lambda spec, store, formation, parent: (_ for _ in ()).throw(
+            er.CommError("the shrink failed")))
+        fifth = spec(5, 2, nccl_reform="shrink_grow", parent_round=4, parent_ranks=(0, 1))
+        assert fifth.parent_round == 4
+        with pytest.raises(er.CommError, match="the shrink failed"):
+            runtime.init(fifth)
+        assert fourth.log == ["lend", "release"]  # lent to the attempt, freed after it failed
     finally:
         runtime.shutdown()
-    assert _FakeComm.made[-1].log == ["close", "release"]
+
+
+# ---------------------------------------------------------------- the agreement over a store
+class DictStore:
+    """The store calls the agreement makes (set, multi_get, wait, get), in memory."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = bytes(value)
+
+    def get(self, key):
+        return self.values[key]
+
+    def multi_get(self, keys):
+        return [self.values[k] for k in keys]
+
+    def wait(self, keys, timeout):
+        missing = [k for k in keys if k not in self.values]
+        if missing:
+            raise RuntimeError(f"wait timeout, keys: {missing}")
+
+
+def _spec(rank, world, parent_ranks, round_id=6):
+    return er.RingSpec(round_id=round_id, rank=rank, world_size=world, node_ids=("n",) * world,
+                       store=er.StoreAddress("127.0.0.1", 1), backend="nccl", nccl_reform="shrink_grow",
+                       parent_round=round_id - 1, parent_ranks=parent_ranks)
+
+
+GROW_HAS = _has("ncclCommShrink", "ncclCommGrow")
+
+
+@pytest.mark.parametrize("holds, usable, path", [
+    # what each rank holds of the parent (size, rank) and whether it is usable -> the path all take
+    ([(3, 0), (3, 2)], [True, True], SHRINK),
+    ([(3, 0), (3, 2)], [True, False], INIT),         # one rank's parent failed (or is busy): all do a full init
+    ([(3, 0), None], [True, False], INIT),           # one holds no parent at all
+    ([(3, 0), (3, 1)], [True, True], INIT),          # the second holds rank 1, the spec says it was rank 2
+    ([(2, 0), (3, 2)], [True, True], INIT),          # a parent of another size: not a shrink of it
+])
+def test_the_agreement_over_a_store_shrinks_only_when_every_rank_can(holds, usable, path):
+    store, plans = DictStore(), []
+    for rank, (held, ok) in enumerate(zip(holds, usable)):
+        spec = _spec(rank, 2, (0, 2))
+        plans.append(nccl_reform.publish_token(store, spec, held and held[0], held and held[1], ok,
+                                               _has("ncclCommShrink")))
+    for rank in range(2):
+        assert nccl_reform.agree(store, _spec(rank, 2, (0, 2)), plans[rank], lambda: b"x", 1.0) == (path, None)
+
+
+def test_a_grow_root_publishes_the_id_members_pass_none_and_the_newcomer_reads_it():
+    store, made = DictStore(), []
+    holds = [(2, 0), (2, 1), None]
+    plans = [nccl_reform.publish_token(store, _spec(r, 3, (0, 1, -1)), h and h[0], h and h[1], h is not None,
+                                       GROW_HAS) for r, h in enumerate(holds)]
+    grow_id = lambda: made.append(1) or b"g" * 128  # noqa: E731
+    root = nccl_reform.agree(store, _spec(0, 3, (0, 1, -1)), plans[0], grow_id, 1.0)
+    member = nccl_reform.agree(store, _spec(1, 3, (0, 1, -1)), plans[1], grow_id, 1.0)
+    newcomer = nccl_reform.agree(store, _spec(2, 3, (0, 1, -1)), plans[2], grow_id, 1.0)
+    assert (root, member, newcomer) == ((GROW, b"g" * 128), (GROW, None), (GROW, b"g" * 128)) and made == [1]
+
+
+def test_a_newcomer_without_grow_in_its_libnccl_makes_everyone_do_a_full_init():
+    store = DictStore()
+    holds, has = [(2, 0), (2, 1), None], [GROW_HAS, GROW_HAS, _has("ncclCommShrink")]
+    plans = [nccl_reform.publish_token(store, _spec(r, 3, (0, 1, -1)), h and h[0], h and h[1], h is not None,
+                                       has[r]) for r, h in enumerate(holds)]
+    assert {nccl_reform.agree(store, _spec(r, 3, (0, 1, -1)), plans[r], lambda: b"x", 1.0)[0]
+            for r in range(3)} == {INIT}
+
+
+@pytest.mark.parametrize("environ, shares", [
+    ({}, False), ({"NCCL_COMM_SHRINK_SHARE_RESOURCES": "0"}, False),
+    ({"NCCL_COMM_SHRINK_SHARE_RESOURCES": "1"}, True), ({"NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"}, True),
+])
+def test_a_child_that_would_share_its_parents_resources_is_not_derived(environ, shares):
+    assert nccl_reform.shares_resources(environ) is shares
+
+
+def test_a_parent_aborted_while_its_child_forms_ends_the_wait():
+    lib, clock = ReformLib([IN_PROGRESS], writes_at_once=False), FakeClock()
+    parent = CommHandle(lib, 0xC0FFEE)
+
+    def sleep(seconds):
+        clock.sleep(seconds)
+        parent.detach()  # aborted by another thread
+
+    with pytest.raises(CommError, match="the parent communicator was aborted meanwhile"):
+        nccl_reform.shrink(parent, (1,), clock() + 3, "r", 3.0, clock, sleep)
+    assert lib.outs[-1].abandoned
+
+
+def test_an_abandoned_child_that_comes_late_is_aborted_by_the_reaper():
+    import time
+
+    from elastic_ring.nccl_lib import OutComm
+
+    aborted = []
+
+    class Lib:
+        def abort(self, ptr):
+            aborted.append(ptr)
+
+    out = OutComm()
+    out.abandon(Lib())
+    out.ptr.value = 0xBEEF  # NCCL's job writes the handle after everyone gave up
+    deadline = time.monotonic() + 5
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert aborted == [0xBEEF] and out in OutComm._abandoned  # its buffers stay alive
+
+
+# ---------------------------------------------------------------- lending: a parent is not aborted under its child
+def test_a_lent_parent_records_a_failure_but_is_aborted_only_by_release(monkeypatch):
+    import contextlib
+
+    import torch
+
+    from tests.test_nccl_teardown import make_comm
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    comm = make_comm(FakeLib(), calls)
+    comm.lend()
+    comm.fail(CommError("abort_round: a member of the round is lost"))  # what abort_round does
+    comm.watchdog_failed(CommError("the watchdog's deadline"))
+    assert comm.errored and comm.reform_handle() is not None and calls == []  # the derivation may go on
+    comm.release()
+    assert calls == ["abort", "empty_cache"] and comm.reform_handle() is None
+    comm.release()
+    assert calls == ["abort", "empty_cache"]

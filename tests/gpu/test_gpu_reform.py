@@ -106,7 +106,7 @@ def test_a_lost_peer_means_a_full_init_and_its_replacement_joins_by_grow_where_n
 
 
 def _leave():
-    er.runtime.current().abort()  # leaves without a finalize (its peers already moved on), as a stopped worker
+    er.runtime.current().abort()  # leaves without a finalize, after its peers moved on (a stopped worker finalizes)
     er.shutdown()
     return True
 
@@ -130,7 +130,7 @@ def test_a_graceful_leave_shrinks_a_healthy_communicator_and_a_mixed_change_is_a
     assert {r["formed_by"] for r in left} == {"shrink" if _has("ncclCommShrink") else "init"}, left
     print(f"\nNCCL {left[0]['nccl']}: graceful leave 3 -> 2: {[r['formed_by'] for r in left]} in "
           f"{max(r['seconds'] for r in left):.3f} s")
-    # slot 2 left round A (as a stopped worker would); a round mixing it in (a reorder) is a full init
+    # slot 2 left round A after the others shrank it; a round mixing it in (a reorder) is a full init
     _start_on(gpu_ring, [2], 1, _leave, lambda rank: ()).results(timeout_s=60)
     round_c = gpu_ring.next_round()
     mixed = _start_on(gpu_ring, [1, 0, 2], 3, _form_and_check, lambda rank: (_spec(
