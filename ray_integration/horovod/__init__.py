@@ -61,7 +61,8 @@ class HorovodInternalError(er.CommError, RuntimeError):
     A ``RuntimeError``, as Horovod's, so ``except RuntimeError`` in a Horovod script catches it; and an
     :class:`elastic_ring.CommError`, so the elastic loop rolls back and re-forms as for any failed collective.
     Every call of this module (collectives, ``synchronize``, ``broadcast_parameters``, the
-    ``DistributedOptimizer``'s ``step`` / ``synchronize``) raises it in place of a ``CommError``; the state's
+    ``DistributedOptimizer``'s ``step`` / ``synchronize`` and its bucket launches inside ``loss.backward()``)
+    raises it in place of a ``CommError``; the state's
     own methods (``state.commit()``, ``state.sync()``) raise the plain ``elastic_ring.CommError``, its base
     class (``except er.CommError`` catches both). A membership change stays a separate exception
     (:data:`HostsUpdatedInterrupt`), as in Horovod."""
