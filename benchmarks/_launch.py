@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring.nccl_communicator import shared_gpu_env
+from elastic_ring.backends.nccl.communicator import shared_gpu_env
 
 
 def new_secret() -> bytes | None:

@@ -1,4 +1,4 @@
-"""Minor page faults and step time with glibc's default allocator settings and with elastic_ring.allocator.tune().
+"""Minor page faults and step time with glibc's default allocator settings and with elastic_ring.core.allocator.tune().
 
 mallopt settings are process-wide and cannot be undone, so each setting gets its own ring of processes. In
 each ring DDP (its default configuration and with ``gradient_as_bucket_view=True``) and ours

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring.auth import AuthenticatedStore, seal_json
-from elastic_ring.gloo_communicator import GlooCommunicator
+from elastic_ring.backends.gloo import GlooCommunicator
+from elastic_ring.core.auth import AuthenticatedStore, seal_json
 from benchmarks._launch import median_ms, run_ranks
 from benchmarks.step import mlp
 

@@ -1,6 +1,6 @@
 """NCCL re-form by shrink and grow against a full init, after a lost rank and for a joining one.
 
-``--world`` rank processes share CUDA device 0 (``elastic_ring.nccl_communicator.shared_gpu_env``: NCCL's
+``--world`` rank processes share CUDA device 0 (``elastic_ring.backends.nccl.communicator.shared_gpu_env``: NCCL's
 socket transport on loopback). Each repetition, alternating the two modes (``nccl_reform="init"`` and
 ``"shrink_grow"``), runs four phases:
 
@@ -9,7 +9,7 @@ socket transport on loopback). Each repetition, alternating the two modes (``ncc
 2. **join**: it comes back: a round of ``world`` (full init, or ncclCommGrow);
 3. **loss**: the ring allreduces in a loop and the last rank is SIGKILLed; once every survivor has its
    CommError, they form a round of ``world - 1``. A failed communicator is aborted, so this is a full init in
-   both modes (elastic_ring/nccl_reform.py says why);
+   both modes (elastic_ring/backends/nccl/reform.py says why);
 4. **join new**: a fresh process (its CUDA context and libnccl already loaded, as a ready worker's are) joins.
 
 A shrink or grow that fails is reported, and the round is formed again by a full init (the time counts both).
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from benchmarks._launch import new_secret
-from elastic_ring.nccl_communicator import shared_gpu_env
+from elastic_ring.backends.nccl.communicator import shared_gpu_env
 
 
 # ---------------------------------------------------------------- in the rank processes
@@ -68,7 +68,7 @@ def warm(backend: str) -> bool:
     if backend == "nccl":
         import torch
 
-        from elastic_ring import nccl_lib
+        from elastic_ring.backends.nccl import lib as nccl_lib
 
         torch.zeros(1, device="cuda:0")
         nccl_lib.load()
@@ -82,7 +82,7 @@ def form(spec: er.RingSpec) -> dict:
     comm = er.init(spec)
     seconds = time.perf_counter() - started
     x = torch.full((1024,), float(spec.rank + 1), device=comm.device)
-    comm.allreduce(x, er.ops.ReduceOp.SUM).wait()
+    comm.allreduce(x, er.core.ops.ReduceOp.SUM).wait()
     expect = spec.world_size * (spec.world_size + 1) / 2
     if x[0].item() != expect:
         raise AssertionError(f"rank {spec.rank}: sum {x[0].item()} != {expect}")
@@ -98,7 +98,7 @@ def loop_until_error(flag: str) -> str:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            comm.allreduce(x, er.ops.ReduceOp.MAX).wait()
+            comm.allreduce(x, er.core.ops.ReduceOp.MAX).wait()
         except er.CommError as exc:
             return str(exc)[:120]
     raise TimeoutError("no CommError within 120 s of the kill")
@@ -232,7 +232,7 @@ def main() -> None:
     if args.world < 2:
         parser.error("--world must be at least 2 (one rank is lost and replaced)")
     if args.backend == "nccl":
-        from elastic_ring import nccl_lib
+        from elastic_ring.backends.nccl import lib as nccl_lib
 
         if not er.nccl_available():
             raise SystemExit("benchmarks.nccl_reform --backend nccl needs CUDA and libnccl >= 2.25; "

@@ -22,7 +22,7 @@ much as the protocol: read the slope as an upper bound.
     python -m benchmarks.scale [--worlds 2 4 8 16 32] [--reforms 3] [--recovery-worlds 2 4 6 8] [--skip-recovery]
 
 ``--backend nccl`` runs part 1 only, with every rank on GPU 0 (NCCL's socket transport on loopback,
-``elastic_ring.nccl_communicator.shared_gpu_env``), and prints the table without drawing: one GPU time-slices its
+``elastic_ring.backends.nccl.communicator.shared_gpu_env``), and prints the table without drawing: one GPU time-slices its
 ranks, so read it as what forming and aborting NCCL communicators costs, not as a multi-GPU figure.
 """
 

@@ -27,7 +27,7 @@ A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optim
 
 ``--device cuda`` runs the same table on ONE GPU: every rank on CUDA device 0, DDP over torch's NCCL
 process group, ours over elastic_ring's NCCL backend, both on NCCL's socket transport on loopback
-(``elastic_ring.nccl_communicator.shared_gpu_env``; NCCL refuses two ranks of a ring on one GPU otherwise). Each step
+(``elastic_ring.backends.nccl.communicator.shared_gpu_env``; NCCL refuses two ranks of a ring on one GPU otherwise). Each step
 ends with ``torch.cuda.synchronize()``; the phase split is then host time (launches), not GPU time.
 
 ``--ddp-probe`` adds a fifth copy: DDP plus one 48-byte MAX allreduce per step, read on the host after

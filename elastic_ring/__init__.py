@@ -13,9 +13,10 @@ This package knows nothing of Ray or of training state. It offers:
 """
 
 from . import shadowing  # binds er.shadowing also when state/ or ray_integration/ loaded it from its file first
-from . import allocator, auth, elastic, process_sets, progress, timeline
-from .broadcast_state import broadcast_optimizer_state, broadcast_parameters
-from .collectives import (
+from .core import allocator, auth, progress, timeline
+from .ring import elastic, process_sets
+from .collectives.broadcast_state import broadcast_optimizer_state, broadcast_parameters
+from .collectives.tensors import (
     agree_max,
     allgather,
     allreduce,
@@ -27,27 +28,31 @@ from .collectives import (
     grouped_allreduce_,
     grouped_broadcast_,
 )
-from .communicator import Communicator, Work
-from .compression import Compression, Compressor
-from .errors import (
+from .backends.base import Communicator, Work
+from .reduction.compression import Compression, Compressor
+from .core.errors import (
     AuthenticationError, CommError, ElasticRingError, MembershipChanged, NotInitializedError, RendezvousError, RingStopped,
     TensorMismatchError,
 )
-from .handles import (
+from .collectives.handles import (
     allgather_async, allreduce_async, allreduce_async_, broadcast_async, broadcast_async_, grouped_allreduce_async,
     grouped_allreduce_async_, poll, synchronize,
 )
-from .nccl_communicator import nccl_available
-from .object_collectives import allgather_object, broadcast_object, broadcast_tree
-from .ops import Average, Max, Min, Product, ReduceOp, Sum
-from .optimizer import DistributedOptimizer
-from .progress import set_progress
-from .report import report, set_reporter
-from .scatter import alltoall, grouped_reducescatter, reducescatter
-from .sync_batch_norm import SyncBatchNorm
-from .runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
-from .spec import RingSpec, StoreAddress
-from .store import StoreServer
+from .backends.nccl.communicator import nccl_available
+from .collectives.objects import allgather_object, broadcast_object, broadcast_tree
+from .core.ops import Average, Max, Min, Product, ReduceOp, Sum
+from .reduction.optimizer import DistributedOptimizer
+from .core.progress import set_progress
+from .ring.report import report, set_reporter
+from .collectives.scatter import alltoall, grouped_reducescatter, reducescatter
+from .collectives.sync_batch_norm import SyncBatchNorm
+from .ring.runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
+from .core.spec import RingSpec, StoreAddress
+from .ring.store import StoreServer
+# the er.<module> names scripts and tests use, bound as before the sub-packages (issue 24)
+from .collectives import objects as object_collectives
+from .ring import runtime, store
+from . import nccl_communicator  # the old path of backends.nccl.communicator, an alias
 
 __version__ = "0.1.0"
 

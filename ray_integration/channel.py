@@ -20,8 +20,8 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from elastic_ring.auth import seal_json, unseal_json
-from elastic_ring.errors import AuthenticationError, CommError
+from elastic_ring.core.auth import seal_json, unseal_json
+from elastic_ring.core.errors import AuthenticationError, CommError
 
 T = TypeVar("T")
 

@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_ring.constants import COLLECTIVE_TIMEOUT_S
-from elastic_ring.spec import NCCL_REFORMS
-from elastic_ring.validation import check_bool, check_int, check_number, is_number
+from elastic_ring.core.constants import COLLECTIVE_TIMEOUT_S
+from elastic_ring.core.spec import NCCL_REFORMS
+from elastic_ring.core.validation import check_bool, check_int, check_number, is_number
 
 from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 _log = get_logger(__name__)
 

@@ -7,7 +7,7 @@ import queue
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from .channel import Channel
 from .events import EventLog

@@ -7,7 +7,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 if TYPE_CHECKING:
     from .driver import Driver

@@ -14,8 +14,8 @@ import ray
 
 import elastic_ring as er
 from elastic_ring import shadowing
-from elastic_ring.auth import new_secret
-from elastic_ring.log import get_logger
+from elastic_ring.core.auth import new_secret
+from elastic_ring.core.log import get_logger
 from state import CheckpointConfig, CheckpointLease, CheckpointStore
 
 from .channel import Channel, Inbox

@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import elastic_ring as er
 import state as state_pkg
-from elastic_ring.store import connect
+from elastic_ring.ring.store import connect
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from .channel import Channel, with_retries
 from .devices import worker_cuda_device

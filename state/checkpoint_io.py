@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import fsspec
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 _log = get_logger(__name__)
 

@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from .checkpoint_errors import CheckpointError, CheckpointLeaseLost, is_transient
 from .checkpoint_errors import describe as _describe

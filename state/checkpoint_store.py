@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from . import checkpoint_lease
 from .checkpoint_errors import CheckpointCorrupt, CheckpointError, CheckpointPruneError, CheckpointRefused

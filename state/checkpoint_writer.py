@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from .checkpoint_errors import CheckpointError, CheckpointPruneError, is_transient
 from .checkpoint_errors import describe as _describe

@@ -67,7 +67,7 @@ import torch
 
 import elastic_ring as er
 
-from elastic_ring.validation import check_bool, check_int, is_int
+from elastic_ring.core.validation import check_bool, check_int, is_int
 
 import bisect
 from typing import Callable

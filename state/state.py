@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 import elastic_ring as er
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from . import membership
 from .checkpoint_errors import CheckpointError

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from elastic_ring.log import get_logger
+from elastic_ring.core.log import get_logger
 
 from . import membership
 from .sampler import ElasticSampler

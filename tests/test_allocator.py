@@ -1,4 +1,4 @@
-"""elastic_ring.allocator: glibc keeps freed gradient-sized blocks, so a step's fresh gradients cost no page faults."""
+"""elastic_ring.core.allocator: glibc keeps freed gradient-sized blocks, so a step's fresh gradients cost no page faults."""
 
 import os
 import pathlib

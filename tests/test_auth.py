@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring import auth
-from elastic_ring.errors import AuthenticationError
+from elastic_ring.core import auth
+from elastic_ring.core.errors import AuthenticationError
 
 SECRET = b"s" * 32
 

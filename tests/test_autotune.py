@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring.autotune import Autotuner, choose, distinct_candidates
+from elastic_ring.reduction.autotune import Autotuner, choose, distinct_candidates
 
 MIB = 1 << 20
 
@@ -94,7 +94,7 @@ def _tune_with_rank_specific_slowness():
     """Each rank is slow under a different bucket size, so local choices would differ
     (rank 0 would keep the default, rank 1 pick the small size); the agreed (slowest-rank)
     times make the large size the only good one, and every rank must pick it."""
-    from elastic_ring import constants
+    from elastic_ring.core import constants
 
     saved = constants.AUTOTUNE_CANDIDATE_BYTES, constants.AUTOTUNE_WARMUP_STEPS, constants.AUTOTUNE_SAMPLE_STEPS
     constants.AUTOTUNE_CANDIDATE_BYTES = (1024, 1 << 20)
@@ -143,7 +143,7 @@ def _autotune_switch(autotune, threshold):
 
 
 def test_autotune_is_on_by_default_and_off_when_asked_or_when_the_size_is_given(ring):
-    from elastic_ring.constants import AUTOTUNE, OPTIMIZER_BUCKET_BYTES
+    from elastic_ring.core.constants import AUTOTUNE, OPTIMIZER_BUCKET_BYTES
 
     assert ring.run(_autotune_switch, None, None, world_size=2)[0][0] is AUTOTUNE
     off = ring.run(_autotune_switch, False, None, world_size=2)[0]

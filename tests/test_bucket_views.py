@@ -52,7 +52,7 @@ def in_a_bucket(opt, p):
 
 
 def _train_with_views(set_to_none, bucket_bytes, batch_below_bytes):
-    from elastic_ring import constants
+    from elastic_ring.core import constants
 
     saved, constants.GRAD_BATCH_BELOW_BYTES = constants.GRAD_BATCH_BELOW_BYTES, batch_below_bytes
     try:

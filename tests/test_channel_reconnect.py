@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import elastic_ring as er
-from elastic_ring.auth import new_secret
+from elastic_ring.core.auth import new_secret
 from ray_integration.channel import Channel
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring import fusion
+from elastic_ring.reduction import fusion
 
 
 def inputs_of(rank, shapes, dtype=torch.float32, seed=0):
@@ -216,7 +216,7 @@ def test_fp16_average_of_values_above_the_fp16_range(ring, world):
 
 
 def _pool_use():
-    from elastic_ring import collectives
+    from elastic_ring.collectives import tensors as collectives
 
     at_start = collectives._POOL.nbytes  # what the previous ring left: nothing once it is gone
     big = torch.ones(1 << 18)  # 1 MiB, contiguous float32: reduced in place, no buffer

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import elastic_ring as er
-from elastic_ring.distributed_samplers import (DistributedSamplerInTraining, allow_epoch_restart, retarget,
+from elastic_ring.ring.distributed_samplers import (DistributedSamplerInTraining, allow_epoch_restart, retarget,
                                                retarget_reachable)
 from state import ElasticSampler, ObjectState, TorchState
 from tests.local_rendezvous import StoreRendezvous

@@ -65,7 +65,7 @@ def test_ray_quickstart_runs_and_learns():
 
 def _quickstart_losing_a_rank_at_its_last_loss_allreduce(host, port, job):
     import elastic_ring as er
-    from elastic_ring import progress
+    from elastic_ring.core import progress
     from examples import quickstart
     from tests.local_rendezvous import StoreRendezvous
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from elastic_ring import Compression
-from elastic_ring import fusion
+from elastic_ring.reduction import fusion
 
 CPU = torch.device("cpu")
 

@@ -78,7 +78,7 @@ def test_horovod_internal_error_is_a_runtime_error_and_a_comm_error_and_not_a_me
 
 
 def _failed_collectives():
-    from elastic_ring import runtime
+    from elastic_ring.ring import runtime
 
     rank = er.rank()
     torch.manual_seed(0)
@@ -250,7 +250,7 @@ def _process_sets():
 
 def _process_set_after_reform(expect_usable: bool):
     """The next round (a new task): the set registered in the last one still names ranks 0 and 2."""
-    from elastic_ring import process_sets
+    from elastic_ring.ring import process_sets
 
     evens = next(s for s in hvd._Registry.sets.values() if s.ranks == [0, 2])
     leftover = len(process_sets._subrings)  # the last round's sub-rings went with its ring

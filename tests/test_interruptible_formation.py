@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring import formation, runtime
-from elastic_ring.auth import AuthenticatedStore
+from elastic_ring.backends import formation
+from elastic_ring.core.auth import AuthenticatedStore
+from elastic_ring.ring import runtime
 from tests.process_ring import TEST_SECRET
 
 HOST = "127.0.0.1"
@@ -288,8 +289,8 @@ def test_a_late_result_of_an_abandoned_formation_is_discarded():
 def test_nccl_ranks_waiting_for_the_unique_id_stop_when_the_round_is_aborted():
     """The CPU-checkable part of the NCCL formation (no GPU here): rank 1 passed the barrier and waits
     for rank 0's unique id, which never comes (rank 0 died after arriving); an abort ends the wait."""
-    from elastic_ring.communicator import Communicator
-    from elastic_ring.nccl_communicator import NcclCommunicator
+    from elastic_ring.backends.base import Communicator
+    from elastic_ring.backends.nccl.communicator import NcclCommunicator
 
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     spec = _spec(server.port, 1, 1, 2, job_id="nccl-unique-id", backend="nccl", connect_timeout_s=30.0)

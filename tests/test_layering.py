@@ -116,8 +116,86 @@ def test_cycle_finder_table():
 
 def test_no_import_cycles_even_through_imports_inside_functions():
     graph = import_graph()
-    assert {"elastic_ring.runtime", "state.state", "ray_integration.driver"} <= set(graph)
-    assert "elastic_ring.signature" in graph["elastic_ring.collectives"]  # the graph sees imports,
-    assert "elastic_ring.gloo_communicator" in graph["elastic_ring.runtime"]  # those inside functions too
+    assert {"elastic_ring.ring.runtime", "state.state", "ray_integration.driver"} <= set(graph)
+    assert "elastic_ring.reduction.signature" in graph["elastic_ring.collectives.tensors"]  # the graph sees imports,
+    assert "elastic_ring.backends.gloo" in graph["elastic_ring.ring.runtime"]  # those inside functions too
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# ------------------------------------------------------------------ elastic_ring's layers (issue 24)
+#: elastic_ring's sub-packages, lowest first. A module imports from its own layer and the layers below it,
+#: never from one above; imports inside functions and under ``if TYPE_CHECKING:`` count too.
+LAYERS = ("core", "backends", "ring", "reduction", "collectives")
+#: The modules of elastic_ring outside the layers, above all of them (no layer imports them): the package
+#: itself (``import elastic_ring as er`` re-exports the layers' public names), ``shadowing`` (standard
+#: library only; state/ and ray_integration/ load it by file path) and ``nccl_communicator`` (an alias of
+#: ``backends.nccl.communicator``, the module's old path).
+OUTSIDE_LAYERS = {"elastic_ring", "elastic_ring.shadowing", "elastic_ring.nccl_communicator"}
+
+
+def layer(module: str) -> int | None:
+    """The layer of an elastic_ring module or sub-package (its index in LAYERS), None outside them."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[0] == "elastic_ring" and parts[1] in LAYERS else None
+
+
+def elastic_ring_imports() -> list[tuple[str, str, int]]:
+    """(importing module, imported elastic_ring module or package, line) for every import in elastic_ring."""
+    paths = {_module_name(p): p for p in (ROOT / "elastic_ring").rglob("*.py")}
+    found = []
+    for module, path in sorted(paths.items()):
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                # a name that is a module comes from that module; any other name from the package itself
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            found += [(module, t, node.lineno) for t in targets if t == "elastic_ring" or t.startswith("elastic_ring.")]
+    return found
+
+
+def test_layer_table():
+    assert layer("elastic_ring.core.errors") == 0 and layer("elastic_ring.backends.nccl.lib") == 1
+    assert layer("elastic_ring.collectives") == 4
+    assert layer("elastic_ring") is None and layer("elastic_ring.shadowing") is None and layer("state.state") is None
+
+
+def test_every_elastic_ring_module_is_in_a_layer():
+    loose = sorted(m for m in map(_module_name, (ROOT / "elastic_ring").rglob("*.py"))
+                   if layer(m) is None and m not in OUTSIDE_LAYERS)
+    assert not loose, (f"{loose}: every module of elastic_ring lives in one of its sub-packages {LAYERS} (lowest "
+                       "first): move it into the lowest one that holds everything it imports")
+
+
+def test_elastic_ring_layers_import_only_downward():
+    found = elastic_ring_imports()
+    # the check sees imports inside functions: runtime imports its backends only when it forms a round
+    assert ("elastic_ring.ring.runtime", "elastic_ring.backends.gloo") in {(m, t) for m, t, _ in found}
+    upward = []
+    for module, target, line in found:
+        mine, theirs = layer(module), layer(target)
+        if mine is None or (theirs is not None and theirs <= mine):
+            continue
+        where = "outside the layers, above them all" if theirs is None else f"layer {LAYERS[theirs]}"
+        upward.append(f"{module} (layer {LAYERS[mine]}), line {line}, imports {target} ({where})")
+    assert not upward, ("elastic_ring's layers are " + " < ".join(LAYERS) + ": a module imports its own layer and the "
+                        "ones below it, never one above (move the code it needs down, or the module up):\n  "
+                        + "\n  ".join(upward))
+
+
+def test_the_old_er_module_names_still_work():
+    import elastic_ring as er
+    from elastic_ring.nccl_communicator import shared_gpu_env
+
+    for name in ("allocator", "auth", "elastic", "object_collectives", "progress", "runtime", "store", "timeline"):
+        assert type(getattr(er, name)).__name__ == "module", name
+    assert callable(er.report) and callable(shared_gpu_env)
+    assert sys.modules["elastic_ring.nccl_communicator"] is sys.modules["elastic_ring.backends.nccl.communicator"]

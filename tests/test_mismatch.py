@@ -103,7 +103,7 @@ def _one_step(model, opt, seed):
 
 
 def _ranks_at_different_steps(mode):
-    from elastic_ring.grad_reducer import GradReducer
+    from elastic_ring.reduction.reducer import GradReducer
 
     GradReducer.defer_check_on_cpu = mode == "deferred"
     try:  # Max cannot carry the step's agreement in a bucket: a leading check whose verdict is read late
@@ -140,8 +140,8 @@ def test_ranks_at_different_optimizer_steps_fail_on_every_rank_before_the_update
 
 def _different_collective_after_deferred_buckets():
     """With the verdict deferred (NCCL's mode), a mismatch found after buckets were sent aborts the ring on every rank."""
-    from elastic_ring.grad_reducer import GradReducer
-    from elastic_ring.signature import signature_hash
+    from elastic_ring.reduction.reducer import GradReducer
+    from elastic_ring.reduction.signature import signature_hash
 
     GradReducer.defer_check_on_cpu = True
     try:  # Max: the step's agreement cannot ride in a bucket, so a leading check runs with its verdict deferred
@@ -185,7 +185,7 @@ def test_deferred_verdict_mismatch_raises_on_every_rank_and_aborts_the_ring(ring
     ],
 )
 def test_peer_descriptions_are_validated_json(data, fragment):
-    from elastic_ring.signature import _decode
+    from elastic_ring.reduction.signature import _decode
 
     with pytest.raises(er.TensorMismatchError, match=f"rank 3's description is {fragment}"):
         _decode(data, 3)
@@ -197,7 +197,7 @@ def test_signature_module_does_not_import_pickle():
     import ast
     import inspect
 
-    from elastic_ring import signature
+    from elastic_ring.reduction import signature
 
     tree = ast.parse(inspect.getsource(signature))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring import nccl_handle, nccl_lib
-from elastic_ring.nccl_communicator import (
+from elastic_ring.backends.nccl import handle as nccl_handle, lib as nccl_lib
+from elastic_ring.backends.nccl.communicator import (
     check_nonblocking_allowed, check_unique_id, reduce_dtype, reduce_op, set_eager_connect,
 )
-from elastic_ring.nccl_lib import IN_PROGRESS, SUCCESS, NcclError
+from elastic_ring.backends.nccl.lib import IN_PROGRESS, SUCCESS, NcclError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,8 @@ def test_real_libnccl_loads_and_creation_fails_cleanly_without_a_gpu():
     # In a subprocess: ncclGetUniqueId leaves NCCL's bootstrap root thread behind.
     code = textwrap.dedent("""
         import time
-        from elastic_ring import nccl_handle, nccl_lib, CommError
+        from elastic_ring import CommError
+        from elastic_ring.backends.nccl import handle as nccl_handle, lib as nccl_lib
         lib = nccl_lib.load()
         print("VERSION", lib.version())
         a, b = lib.unique_id(), lib.unique_id()

@@ -1,4 +1,4 @@
-"""NCCL re-form by shrink and grow (elastic_ring.nccl_reform): the decisions as tables, and the handle
+"""NCCL re-form by shrink and grow (elastic_ring.backends.nccl.reform): the decisions as tables, and the handle
 operations against a fake library (no CUDA needed). The real thing runs in tests/gpu/test_gpu_reform.py."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import elastic_ring as er
-from elastic_ring import nccl_reform
-from elastic_ring.errors import CommError
-from elastic_ring.nccl_handle import CommHandle
-from elastic_ring.nccl_lib import IN_PROGRESS, SUCCESS
-from elastic_ring.nccl_reform import GROW, INIT, SHRINK, Plan
+from elastic_ring.backends.nccl import reform as nccl_reform
+from elastic_ring.backends.nccl.handle import CommHandle
+from elastic_ring.backends.nccl.lib import IN_PROGRESS, SUCCESS
+from elastic_ring.backends.nccl.reform import GROW, INIT, SHRINK, Plan
+from elastic_ring.core.errors import CommError
 
 from tests.test_nccl import FakeClock, FakeLib
 
@@ -215,7 +215,7 @@ def test_a_failed_grow_names_ncclss_error_and_leaves_nothing_behind():
 
 # ---------------------------------------------------------------- the runtime keeps the parent for the child
 class _FakeComm:
-    """Stands in for NcclCommunicator in elastic_ring.runtime (no CUDA): records what happens to it."""
+    """Stands in for NcclCommunicator in elastic_ring.ring.runtime (no CUDA): records what happens to it."""
 
     made: list = []
 
@@ -238,7 +238,7 @@ class _FakeComm:
 
 
 def test_the_runtime_hands_the_previous_communicator_to_a_round_derived_from_it_then_frees_it(monkeypatch):
-    from elastic_ring import runtime
+    from elastic_ring.ring import runtime
     from tests.process_ring import TEST_SECRET
     import torch.distributed as dist
 
@@ -366,7 +366,7 @@ def test_a_parent_aborted_while_its_child_forms_ends_the_wait():
 def test_an_abandoned_child_that_comes_late_is_aborted_by_the_reaper():
     import time
 
-    from elastic_ring.nccl_lib import OutComm
+    from elastic_ring.backends.nccl.lib import OutComm
 
     aborted = []
 

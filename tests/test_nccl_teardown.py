@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring.communicator import Communicator
-from elastic_ring.nccl_communicator import NcclCommunicator
-from elastic_ring.nccl_handle import CommHandle
-from elastic_ring.nccl_lib import IN_PROGRESS, SUCCESS
-from elastic_ring.nccl_watchdog import Watchdog
-from elastic_ring.ops import ReduceOp
+from elastic_ring.backends.base import Communicator
+from elastic_ring.backends.nccl.communicator import NcclCommunicator
+from elastic_ring.backends.nccl.handle import CommHandle
+from elastic_ring.backends.nccl.lib import IN_PROGRESS, SUCCESS
+from elastic_ring.backends.nccl.watchdog import Watchdog
+from elastic_ring.core.ops import ReduceOp
 from tests.test_nccl import FakeLib
 from tests.test_nccl_watchdog import FakeClock
 

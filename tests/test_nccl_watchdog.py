@@ -7,7 +7,7 @@ import time
 import pytest
 
 import elastic_ring as er
-from elastic_ring.nccl_watchdog import Watchdog
+from elastic_ring.backends.nccl.watchdog import Watchdog
 
 
 class FakeClock:

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring import reaper
-from elastic_ring.ops import ReduceOp
+from elastic_ring.backends import reaper
+from elastic_ring.core.ops import ReduceOp
 
 
 class _Slow:
@@ -62,7 +62,7 @@ def test_a_failing_teardown_is_logged_kept_and_releases_drain(caplog):
     with pytest.raises(ValueError, match="exactly one object"):
         r.drop(box, "empty", within_s=1)
     r._pending[99] = ("bad box", time.monotonic() + 1)  # what drop() records, then a thread that fails
-    with caplog.at_level(logging.WARNING, logger="elastic_ring.reaper"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ring.backends.reaper"):
         t = threading.Thread(target=r._run, args=([], 99, "bad box"))
         t.start()
         t.join(5)
@@ -75,7 +75,7 @@ def test_exit_drain_waits_for_the_groups_own_deadline_and_names_what_is_left(cap
     release, seen = threading.Event(), []
     r.drop([_Slow(release, seen)], "gloo group of rank 0/2 round 3", within_s=0.3)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="elastic_ring.reaper"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ring.backends.reaper"):
         assert r.drain_at_exit(least_s=0.2) is False
     assert 0.4 <= time.monotonic() - started < 3.0  # its own 0.3 s plus the 0.2 s margin
     assert "gloo group of rank 0/2 round 3" in caplog.text

@@ -141,8 +141,8 @@ def test_record_past_the_end_says_what_to_do():
 
 def test_sampler_publishes_progress_for_logs_and_reports():
     import elastic_ring as er
-    from elastic_ring import progress
-    from elastic_ring.log import identity
+    from elastic_ring.core import progress
+    from elastic_ring.core.log import identity
 
     s = ElasticSampler(100, batch_size=10, seed=0)
     for _ in range(3):

@@ -129,7 +129,7 @@ def test_reset_callbacks_and_sampler_repartition(solo_ring):
 
 
 def test_commit_without_a_pending_change_adds_one_small_collective(solo_ring, monkeypatch):
-    from elastic_ring import collectives
+    from elastic_ring.collectives import tensors as collectives
 
     calls = []
     real = collectives.start_check

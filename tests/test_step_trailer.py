@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring import step_trailer
-from elastic_ring.step_trailer import SLOTS, decode, encode, supports
+from elastic_ring.reduction import step_trailer
+from elastic_ring.reduction.step_trailer import SLOTS, decode, encode, supports
 
 
 def summed(*ranks):
@@ -100,7 +100,7 @@ def _step(model, opt, seed):
 
 def _train_counting_checks(steps, **options):
     """Train ``steps`` steps; return the model, the optimizer and how many leading checks the reducer started."""
-    from elastic_ring import grad_reducer
+    from elastic_ring.reduction import reducer as grad_reducer
 
     calls = []
     original = grad_reducer.start_check
@@ -163,7 +163,7 @@ def test_a_last_bucket_that_met_another_collective_aborts_the_ring_on_every_rank
 
 
 def _a_plan_of_the_same_sizes_that_differs():
-    from elastic_ring.signature import signature_hash
+    from elastic_ring.reduction.signature import signature_hash
 
     model, opt = _model_and_opt()
     _step(model, opt, 0)

@@ -6,8 +6,8 @@ calls keep Horovod's names, signatures, defaults and semantics (``average=`` or
 ``op=``, ``prescale_factor`` / ``postscale_factor``, ``root_rank`` positional,
 mismatches as ``RuntimeError``); each maps onto ``elastic_ring`` and ``state``
 (docs/migration.md has the table). The ``_async`` calls are launched at the call and
-paired by call order (:mod:`elastic_ring.handles`). Process sets run on sub-rings of their ranks
-(:mod:`elastic_ring.process_sets`); sparse tensors are reduced by an allgather of their indices and
+paired by call order (:mod:`elastic_ring.collectives.handles`). Process sets run on sub-rings of their ranks
+(:mod:`elastic_ring.ring.process_sets`); sparse tensors are reduced by an allgather of their indices and
 values as in Horovod, and sparse gradients of ``DistributedOptimizer`` are reduced dense and handed
 back sparse. A failed collective raises :class:`HorovodInternalError`, a ``RuntimeError`` (as
 Horovod's) and an :class:`elastic_ring.CommError` (the elastic loop's "roll back and re-form").
@@ -25,16 +25,16 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 import elastic_ring as er
-from elastic_ring import process_sets as _process_sets
-from elastic_ring import runtime
-from elastic_ring.collectives import loose_entries as _loose_entries
-from elastic_ring.collectives import refuse as _refuse
-from elastic_ring.compression import Compression
-from elastic_ring.errors import NotInitializedError, TensorMismatchError
-from elastic_ring.handles import Handle
-from elastic_ring.optimizer import _DistributedMixin
-from elastic_ring.ops import Average, Max, Min, Product, ReduceOp, Sum
-from elastic_ring.sync_batch_norm import SyncBatchNorm
+from elastic_ring.ring import process_sets as _process_sets
+from elastic_ring.ring import runtime
+from elastic_ring.collectives.tensors import loose_entries as _loose_entries
+from elastic_ring.collectives.tensors import refuse as _refuse
+from elastic_ring.reduction.compression import Compression
+from elastic_ring.core.errors import NotInitializedError, TensorMismatchError
+from elastic_ring.collectives.handles import Handle
+from elastic_ring.reduction.optimizer import _DistributedMixin
+from elastic_ring.core.ops import Average, Max, Min, Product, ReduceOp, Sum
+from elastic_ring.collectives.sync_batch_norm import SyncBatchNorm
 
 from . import elastic
 
@@ -118,7 +118,7 @@ class ProcessSet:
     :meth:`rank` and :meth:`size` are within the set. The sub-ring forms at its members' first collective in a
     round and is re-formed in every new round over the processes that hold those ranks then (a set names ranks,
     not processes); a set naming a rank the new ring does not have raises ``ValueError`` when used (remove it,
-    add one that fits). See :mod:`elastic_ring.process_sets`.
+    add one that fits). See :mod:`elastic_ring.ring.process_sets`.
     """
 
     process_set_id: int | None = None
@@ -244,7 +244,7 @@ def _on(process_set: Any) -> Iterator[list[int] | None]:
 def _agreed(kind: str, tensors: Any, process_set: Any, validate: Callable[[], Any]) -> Any:
     """``validate()``'s result; when it raises (``average=`` and ``op=`` both, ``op=Adasum``, a root outside the
     process set...), every rank raises, not only this one: the error rides in the call's signature check on the
-    ring (or the set's sub-ring), as :func:`elastic_ring.collectives.agree` does for elastic_ring's own
+    ring (or the set's sub-ring), as :func:`elastic_ring.collectives.tensors.agree` does for elastic_ring's own
     arguments. The peers, which made a valid call, raise ``TensorMismatchError`` naming this rank's problem."""
     try:
         return validate()
@@ -381,7 +381,7 @@ def nccl_built() -> int:
     """Horovod returns NCCL's version as an int (e.g. 23203), 0 without NCCL."""
     if not er.nccl_available():
         return 0
-    from elastic_ring import nccl_lib
+    from elastic_ring.backends.nccl import lib as nccl_lib
 
     major, minor, patch = nccl_lib.version_tuple(nccl_lib.load().version())
     return major * 10000 + minor * 100 + patch

@@ -1,6 +1,6 @@
 """``hvd.elastic``: Horovod's elastic API over elastic_ring's elastic loop and ``state``.
 
-``run`` is ``elastic_ring.elastic.run``; ``State``, ``ObjectState`` and
+``run`` is ``elastic_ring.ring.elastic.run``; ``State``, ``ObjectState`` and
 ``TorchState`` are the state layer's (``TorchState(model, optimizer, **values)``
 as in Horovod, with ``commit()``, ``sync()`` and ``register_reset_callbacks``);
 ``ElasticSampler`` is the state layer's exactly-once sampler. Unlike Horovod's,
@@ -11,7 +11,7 @@ raises a TypeError that says this.
 
 from __future__ import annotations
 
-from elastic_ring.elastic import run
+from elastic_ring.ring.elastic import run
 from state import ElasticSampler, ObjectState, State, TorchState
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]

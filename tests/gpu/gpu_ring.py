@@ -5,7 +5,7 @@ detected"), unless each rank claims to be its own host: a distinct
 ``NCCL_HOSTID`` per rank process, with the GPU-to-GPU transports off
 (``NCCL_P2P_DISABLE=1``, ``NCCL_SHM_DISABLE=1``) so that the ranks talk over
 NCCL's socket transport on loopback (``NCCL_SOCKET_IFNAME=lo``,
-``NCCL_IB_DISABLE=1``, ``NCCL_NET=Socket``). :func:`rank_env` is that recipe (``elastic_ring.nccl_communicator.shared_gpu_env``);
+``NCCL_IB_DISABLE=1``, ``NCCL_NET=Socket``). :func:`rank_env` is that recipe (``elastic_ring.backends.nccl.communicator.shared_gpu_env``);
 :class:`GpuRing` starts each rank process with it (``spawn``: CUDA and fork do
 not mix) and otherwise behaves like the CPU tests' :class:`ProcessRing`.
 """
@@ -20,7 +20,7 @@ import time
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring.nccl_communicator import shared_gpu_env
+from elastic_ring.backends.nccl.communicator import shared_gpu_env
 from tests.process_ring import ProcessRing, _worker_main
 
 

@@ -9,7 +9,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
 import torch
-from elastic_ring import nccl_lib
+from elastic_ring.backends.nccl import lib as nccl_lib
 lib = nccl_lib.load()
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
 print("libnccl", lib.version(), lib.path)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring.ops import ReduceOp
+from elastic_ring.core.ops import ReduceOp
 
 pytestmark = pytest.mark.gpu
 

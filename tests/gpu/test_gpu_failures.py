@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring.ops import ReduceOp
+from elastic_ring.core.ops import ReduceOp
 from tests.process_ring import TEST_SECRET, RankFailure
 
 pytestmark = pytest.mark.gpu
@@ -119,7 +119,7 @@ def test_a_peer_that_never_joins_fails_the_formation_and_the_process_forms_the_n
 
 
 def _close_then_abort():
-    from elastic_ring import nccl_handle
+    from elastic_ring.backends.nccl import handle as nccl_handle
 
     calls = []
     real_finalize, real_abort, real_empty = nccl_handle.finalize_and_destroy, nccl_handle.abort, torch.cuda.empty_cache

@@ -1,4 +1,4 @@
-"""NCCL re-form by shrink and grow on a real GPU (RingSpec.nccl_reform="shrink_grow"; elastic_ring.nccl_reform).
+"""NCCL re-form by shrink and grow on a real GPU (RingSpec.nccl_reform="shrink_grow"; elastic_ring.backends.nccl.reform).
 
 Three rank processes share GPU 0 (tests/gpu/gpu_ring.py). A rank leaves gracefully: the others shrink the healthy
 communicator. A peer is SIGKILLed mid-allreduce: the survivors' communicator failed and is aborted, so their next
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import elastic_ring as er
-from elastic_ring import nccl_lib
-from elastic_ring.ops import ReduceOp
+from elastic_ring.backends.nccl import lib as nccl_lib
+from elastic_ring.core.ops import ReduceOp
 from tests.gpu.test_gpu_failures import _allreduce_until_error, _wait_for
 from tests.process_ring import Pending
 

@@ -1,0 +1,636 @@
+"""Overlapped allreduce of gradients that live in their fusion buckets.
+
+The reducer owns the hooks that :class:`DistributedOptimizer` registers. Its
+contract:
+
+* Parameters are bucketed in reverse registration order (the order in which
+  backward usually produces their gradients) by
+  :func:`elastic_ring.reduction.fusion.plan_buckets`, with an early first bucket
+  (``first_bucket_bytes``) so the first allreduce starts early in backward.
+  Each parameter's ``.grad`` becomes a view of its bucket
+  (:mod:`elastic_ring.reduction.buckets`): no pack or unpack copy.
+* When a parameter's gradient has been accumulated ``backward_passes_per_step``
+  times it is ready: it is moved into its view if autograd put it elsewhere
+  (``zero_grad(set_to_none=True)``) and divided by the world size for an
+  average, in the same pass (small gradients together, once their bucket is
+  complete). Bucket *k* is launched as soon as it and every bucket before it
+  are ready, so all ranks launch buckets in the same order while
+  communication overlaps the rest of the backward pass.
+* :meth:`synchronize` launches what is left (a parameter without a gradient
+  contributes zeros), waits for every bucket, and resets for the next step.
+* A ring's first step (and any step after the bucket plan changed, every step
+  while autotuning, and every step with ``strict_checks=True``) starts with
+  one 48-byte allreduce at its first gradient that checks that all ranks are at
+  the same point with the same parameters and bucket plan, and at the same
+  optimizer step (``applied_steps`` rides in it as a transaction id, compared
+  in a reducer's first ring and in rings on which it was re-based); it also
+  carries the autotuner's agreed numbers. Its answer is awaited on a helper
+  thread (:mod:`elastic_ring.reduction.verdict`), so backward never blocks on it; no
+  bucket is sent before it is yes. A mismatch therefore raises
+  :class:`TensorMismatchError` on every rank before any bucket of a mismatched
+  size is sent (gloo would abort the process).
+* Every other step has no collective of its own: the same agreement (plan,
+  step, boundary flag) rides as exact small integers at the end of the last
+  bucket (:mod:`elastic_ring.reduction.step_trailer`) and is read in
+  :meth:`synchronize`, before the update is applied. Ranks at different steps
+  (or with different plans of the same sizes) raise the full message on every
+  rank and the ring stays usable; a bucket that met another collective (slots
+  that are not this rank's plan) aborts the ring. On CUDA, a leading check
+  after a ring's first step (autotuning, a plan change, op Min/Max, a wire dtype
+  that cannot sum the world size exactly) does not hold the buckets back: its
+  verdict is read in :meth:`synchronize`; CPU waits for it, and so does
+  ``strict_checks=True`` everywhere.
+* A :class:`CommError` anywhere drops everything in flight and the buckets,
+  sets every parameter's ``.grad`` to None (a retried step starts from clean
+  gradients) and is tagged ``live_state_consistent = True``: it was raised
+  before the wrapped optimizer applied anything. At world size 1 the hooks
+  return at once and nothing is copied.
+* A new ring gets new buckets (and, with autotuning, a new tuning run).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Sequence
+
+import torch
+
+from ..backends.base import Communicator, Work
+from ..core import constants, timeline
+from ..core.errors import CommError, TensorMismatchError
+from ..core.log import get_logger
+from ..core.ops import ReduceOp
+from ..ring import runtime
+from . import fusion, step_trailer
+from .autotune import AutotuneResult, Autotuner, distinct_candidates
+from .buckets import GradLayout
+from .compression import Compressor
+from .signature import PendingCheck, describe, exchange_message, signature_hash, start_check
+from .verdict import VerdictWaiter
+
+_log = get_logger(__name__)
+
+
+class GradReducer:
+    #: Read the check's verdict in synchronize() instead of before the first bucket. On by itself
+    #: on CUDA after a ring's first step; tests set it to exercise that path over gloo.
+    defer_check_on_cpu = False
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        op: ReduceOp,
+        compressor: Compressor,
+        bucket_bytes: int,
+        backward_passes_per_step: int,
+        first_bucket_bytes: int = 0,
+        autotune: bool = False,
+        strict_checks: bool = False,
+    ) -> None:
+        ordered = list(reversed(named_params))
+        self._names = [n for n, _ in ordered]
+        self._params = [p for _, p in ordered]
+        self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._metas = [(p.numel(), p.dtype, p.device) for p in self._params]
+        self._nbytes = [p.numel() * p.element_size() for p in self._params]
+        self._op = op
+        self._compressor = compressor
+        self._passes = backward_passes_per_step
+        self._first_bytes = first_bucket_bytes
+        self._default_bytes = bucket_bytes
+        self._autotune = autotune
+        self._strict = strict_checks
+        self._agreed_digest: int | None = None  # the plan a leading check of this ring agreed on
+        self._check_digest: int | None = None  # the plan the check in flight asks about
+        self._world = 1
+        self._tuner: Autotuner | None = None
+        self.autotune_result: AutotuneResult | None = None
+        self.applied_steps = 0
+        #: Called after every consumed step as ``fn(passes, applied)``: applied by ``step()``, or reduced
+        #: and then skipped (e.g. GradScaler on overflow: noticed when the next step begins).
+        self.step_listeners: list = []
+        #: Called with no arguments whenever a step's reduction completed (before it is applied or skipped).
+        self.reduced_listeners: list = []
+        #: ``ask() -> bool``: this rank has something to do at the next step boundary; rides in the step's check
+        #: (MAX over ranks), so every rank learns at the same step whether any rank asked.
+        self.boundary_ask = None
+        #: ``act()``: run on every rank before the next step's work once a boundary is due (may raise).
+        self.boundary_act = None
+        self.boundary_due = False
+        #: ``share(j) -> (n, total)``: backward pass ``j`` of a step holds n of the step's total samples (None: off).
+        self.pass_scale = None
+        self._boundary_seen = False
+        self.micro_calls = 0  # accumulate mode: step() calls of this step so far (= the backward pass running)
+        self._synced_pending = False  # a step was reduced and neither applied nor skipped yet
+        self._pre_hooks: list = []
+        self._step_armed = True
+        self._armed_ref: weakref.ref | None = None
+        self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
+        self._lock = threading.RLock()
+        self._comm_ref: weakref.ref | None = None
+        self._on_cpu = True
+        self._layout: GradLayout | None = None
+        self._ring_steps = 0
+        self._last_step_end: float | None = None
+        self.check_wait_s = 0.0  # total time the training thread waited for checks
+        self.first_bucket_delay_s = 0.0  # total time ready first buckets waited for their step's verdict
+        self._use_plan(bucket_bytes)
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    # ------------------------------------------------------------ plan and state
+    def _plan(self, bucket_bytes: int) -> list[fusion.Bucket]:
+        return fusion.plan_buckets(self._metas, bucket_bytes, self._compressor, self._first_bytes, split_source_dtypes=True)
+
+    def _use_plan(self, bucket_bytes: int) -> None:
+        """Switch to the buckets of ``bucket_bytes``; their buffers are made at the next gradient."""
+        self.bucket_bytes = bucket_bytes
+        self.buckets = self._plan(bucket_bytes)
+        self._bucket_of = [0] * len(self._params)
+        for b, bucket in enumerate(self.buckets):
+            for i in bucket.indices:
+                self._bucket_of[i] = b
+        self._layout = None
+        self._kind = (f"DistributedOptimizer step (op={self._op.value}, compression={self._compressor.name}, "
+                      f"backward_passes_per_step={self._passes}, fusion_threshold_bytes={bucket_bytes}, "
+                      f"first_bucket_bytes={self._first_bytes}, {len(self.buckets)} buckets"
+                      f"{', strict_checks=True' if self._strict else ''})")
+        self._digest = signature_hash(self._kind, self._entries)
+
+    def _reset(self) -> None:
+        self._pass_factors: dict[int, float] = {}
+        self._check: PendingCheck | None = None
+        self._verdict: VerdictWaiter | None = None
+        self._gated_since: float | None = None
+        self._verified = False
+        self._in_bucket = False  # this step's agreement rides in its last bucket (no leading check)
+        self._remaining = [self._passes] * len(self._params)
+        self._ready = [0] * len(self.buckets)
+        self._small: list[list[int]] = [[] for _ in self.buckets]  # ready small gradients not yet in their views
+        self._next = 0
+        self._in_flight: list[tuple[int, Work]] = []
+
+    @property
+    def reduced_unapplied(self) -> bool:
+        """A step was reduced by synchronize() and neither applied nor skipped since (nothing new reduced)."""
+        return self._synced_pending and not self.pending
+
+    @property
+    def pending(self) -> bool:
+        """True between the first ready gradient of a step and its synchronize()."""
+        return bool(self._in_flight) or any(r != self._passes for r in self._remaining)
+
+    def set_applied_steps(self, n: int) -> None:
+        """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
+        restore): from now on this ring compares it in every step's check."""
+        self.applied_steps = n
+        with self._lock:  # a verdict helper of an abandoned step must not accept after this reset
+            self._reset()  # a step in flight when the state was synced or restored is discarded on every rank
+        self.micro_calls = 0
+        self._synced_pending = False  # a step reduced before the sync and not applied is discarded, not consumed
+        self._boundary_seen = False
+        self.boundary_due = False
+        comm = runtime.current_or_none()
+        self._armed_ref = weakref.ref(comm) if comm is not None else None
+        if comm is not None and self._comm_ref is not None and self._comm_ref() is comm:
+            self._step_armed = True
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks + self._pre_hooks:
+            handle.remove()
+        self._hooks, self._pre_hooks = [], []
+
+    # ------------------------------------------------------------ step bookkeeping
+    @property
+    def passes(self) -> int:
+        """Backward passes accumulated per step."""
+        return self._passes
+
+    def set_passes(self, passes: int) -> None:
+        """Change the backward passes per step (between steps only; every rank of a ring must agree)."""
+        if passes == self._passes:
+            return
+        if self.pending:
+            raise RuntimeError("backward passes per step can change only between steps, not after loss.backward()")
+        self._passes = passes
+        self._use_plan(self.bucket_bytes)
+        self._reset()
+        self.micro_calls = 0
+
+    def discard_step(self) -> None:
+        """Forget the step in flight (after a failure discarded it); in-flight buckets are dropped unwaited."""
+        with self._lock:
+            self._reset()
+        self._synced_pending = False
+        self.micro_calls = 0
+        for p in self._params:
+            p.grad = None
+
+    def set_pass_scale(self, share) -> None:
+        """Weight each backward pass by its share ``share(j) -> (n, total)`` of the step's samples (None: off)."""
+        if share is not None and self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"weighting backward passes needs op=Average or op=Sum, this optimizer reduces with "
+                             f"op={self._op.value}")
+        self.pass_scale = share
+        if share is not None and not self._pre_hooks:
+            self._pre_hooks = [p.register_hook(self._scale_pass) for p in self._params]
+        self._pass_factors = {}
+
+    def _scale_pass(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's pre-accumulation hook: weight this backward pass's gradient by its share."""
+        scale = self.pass_scale
+        if scale is None:
+            return None
+        if self._synced_pending:  # a skipped step is consumed before this step's weights are read
+            self._skipped_if_pending()
+        j = self.micro_calls  # accumulate mode: step() follows every pass
+        factor = self._pass_factors.get(j)
+        if factor is None:  # once per pass and step, not per parameter
+            n, total = scale(j)
+            comm = runtime.current_or_none()
+            world = comm.size if comm is not None and self._op is ReduceOp.AVERAGE else 1
+            factor = self._pass_factors[j] = (n * world) / total  # one rounding: exact when representable
+        if factor == 1.0:
+            return None
+        return torch.zeros_like(grad) if factor == 0.0 else grad * factor
+
+    def note_applied(self) -> None:
+        """``step()`` applied the reduced gradients: count the step and tell the listeners."""
+        self.applied_steps += 1
+        self._synced_pending = False
+        self.micro_calls = 0
+        self._consumed(applied=True)
+
+    def _skipped_if_pending(self) -> None:
+        """A step reduced but never applied, and a new one begins: it was skipped (GradScaler did that)."""
+        if self._synced_pending:
+            self._synced_pending = False
+            self.micro_calls = 0
+            self._consumed(applied=False)
+
+    def _consumed(self, applied: bool) -> None:
+        for listener in list(self.step_listeners):
+            listener(self._passes, applied)
+
+    def take_boundary(self) -> None:
+        """After an applied step: a boundary is due when any rank asked for one in this step's check."""
+        comm = runtime.current_or_none()
+        if comm is None or comm.size == 1:  # no check runs: this rank decides alone
+            seen = bool(self.boundary_ask is not None and self.boundary_ask())
+        else:
+            seen, self._boundary_seen = self._boundary_seen, False
+        self.boundary_due = self.boundary_due or (seen and self.boundary_act is not None)
+
+    def run_boundary(self, in_step: bool = False) -> None:
+        """Run the due boundary's ``act()`` before the next step's work. ``in_step``: called from inside that
+        step (its backward or synchronize), where nothing of it was sent yet: if ``act()`` raises, the step's
+        gradients are dropped (the step is redone after the re-form); if it returns, the step goes on."""
+        if not self.boundary_due:
+            return
+        self.boundary_due = False
+        try:
+            self.boundary_act()
+        except BaseException:
+            if in_step:
+                self.discard_step()
+            raise
+
+    def _reduced(self) -> None:
+        self._synced_pending = True
+        for listener in list(self.reduced_listeners):
+            listener()
+
+    def settle_skipped(self) -> None:
+        """Count a step that was reduced and not applied as skipped now."""
+        self._skipped_if_pending()
+
+    def _bind(self, comm: Communicator) -> None:
+        """Start using ``comm``: on a new ring, drop what was in flight, new buckets, tune again."""
+        if self._comm_ref is not None and self._comm_ref() is comm:
+            return
+        self._reset()
+        # applied_steps is compared across ranks in a reducer's first ring (every rank starts at 0) and
+        # in a ring on which the state layer re-based it (set_applied_steps after a sync or a restore)
+        self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
+        self._comm_ref = weakref.ref(comm)
+        comm.before_check.append(weakref.WeakMethod(self._launch_gated))
+        self._world = comm.size
+        self._agreed_digest = None  # a new ring's first step is checked before any bucket is sent
+        self._on_cpu = comm.device.type == "cpu"
+        self._ring_steps = 0
+        self._last_step_end = None
+        self._tuner = None
+        size = self._default_bytes
+        if self._autotune:
+            candidates = distinct_candidates(constants.AUTOTUNE_CANDIDATE_BYTES, self._default_bytes,
+                                             lambda s: tuple(b.indices for b in self._plan(s)))
+            self._tuner = Autotuner(candidates, self._default_bytes, constants.AUTOTUNE_WARMUP_STEPS,
+                                    constants.AUTOTUNE_SAMPLE_STEPS, constants.AUTOTUNE_MARGIN)
+            size = self._tuner.current
+            self._record_tuning()
+        self._use_plan(size)
+        self._reset()
+
+    def _layout_for_step(self) -> GradLayout:
+        if self._layout is None:
+            fits = (self._op in (ReduceOp.AVERAGE, ReduceOp.SUM) and not self._strict and bool(self.buckets)
+                    and step_trailer.supports(self.buckets[-1].wire_dtype, self._world))
+            self._layout = GradLayout(self._params, self.buckets, step_trailer.SLOTS if fits else 0)
+        return self._layout
+
+    def _deferred(self, comm: Communicator) -> bool:
+        """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
+        if self._ring_steps == 0 or self._strict:
+            return False  # a ring's first step checks first: different models fail with a full message
+        return not self._on_cpu or self.defer_check_on_cpu
+
+    def _agree_in_bucket(self) -> bool:
+        """Whether this step's agreement rides in its last bucket instead of a leading check: after a leading
+        check of this ring agreed on the current plan, once autotuning is done, unless ``strict_checks``, and
+        when the last bucket's wire dtype sums the slots exactly (op Average or Sum). The same on every rank."""
+        return (not self._strict and self._agreed_digest == self._digest
+                and (self._tuner is None or self._tuner.done) and self._layout_for_step().trailer is not None)
+
+    # ------------------------------------------------------------ hooks
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.boundary_due:  # nobody ran it before this step's forward: run it now, before anything is sent
+            self.run_boundary(in_step=True)
+        if self._synced_pending:
+            self._skipped_if_pending()
+        comm = runtime.current_or_none()
+        if comm is None or comm.size == 1:
+            return
+        if self._in_bucket and self._comm_ref() is comm:
+            # the lean path: no helper thread shares this step (its agreement rides in the last bucket), so no
+            # lock, no check, no verdict: count the gradient, adopt it, launch what is ready. Hooks run on one
+            # autograd thread: the parameters of a ring are on one device (the NCCL backend refuses others)
+            try:
+                self._count_ready(self._position[id(param)], comm)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
+            return
+        with self._lock:
+            try:
+                self._bind(comm)
+                self._raise_if_verdict_failed()
+                self._start_check(comm, helper=self._on_cpu and not self._deferred(comm))
+                self._count_ready(self._position[id(param)], comm)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
+
+    def _count_ready(self, i: int, comm: Communicator) -> None:
+        remaining = self._remaining[i] - 1
+        self._remaining[i] = remaining
+        if remaining < 0:
+            raise RuntimeError(
+                f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
+                f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
+                "or call step() after every backward pass"
+            )
+        if remaining == 0 and self._ready_one(i, comm):
+            self._launch_ready(comm)
+
+    def _start_check(self, comm: Communicator, helper: bool) -> None:
+        """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the
+        same step. With ``helper``, the answer is awaited on a helper thread (backward goes on meanwhile)."""
+        if self._check is not None or self._verified or self._verdict is not None:
+            return
+        self._boundary_seen = False
+        if self._agree_in_bucket():
+            self._in_bucket = self._verified = True
+            return
+        value = self._tuner.outgoing() if self._tuner is not None else 0
+        boundary = int(bool(self.boundary_ask is not None and self.boundary_ask()))
+        step = self.applied_steps if self._step_armed else None
+        self._check_digest = self._digest  # what this check agrees on (the plan cannot change before its answer)
+        check = start_check(comm, self._kind, self._entries, None, values=[value, boundary], step=step,
+                            digest=self._digest, step_slots=True)
+        if helper:
+            self._verdict = VerdictWaiter(check, lambda waiter, values: self._on_verdict(comm, waiter, values),
+                                          comm.spec.collective_timeout_s + 10.0)
+        else:
+            self._check = check
+
+    def _launch_gated(self) -> None:
+        """Before another collective is checked (the loop's own, between backward() and step()): let the helper
+        launch the buckets that wait for this step's verdict, so that they precede it on every rank (which
+        buckets are ready is the same on every rank once backward is done). What the verdict met is raised later
+        by the hooks or synchronize()."""
+        waiter = self._verdict
+        if waiter is None or waiter.done:
+            return
+        try:
+            waiter.settle()
+        except CommError:
+            pass  # the deadline passed: synchronize() raises it
+
+    def _on_verdict(self, comm: Communicator, waiter: VerdictWaiter, values: list[int]) -> None:
+        """On the helper thread, once every rank said yes: launch what became ready meanwhile."""
+        with self._lock:
+            if self._verdict is not waiter:  # this step was abandoned (a failure, a new ring)
+                return
+            self._accept(values)
+            self._launch_ready(comm)
+
+    def _accept(self, values: list[int]) -> None:
+        self._verified = True
+        self._agreed_digest = self._check_digest
+        self._boundary_seen = bool(values[1])
+        if self._tuner is not None:
+            self._tuner.incoming(values[0])
+
+    def _raise_if_verdict_failed(self) -> None:
+        """Raise, on the training thread, what the helper thread met (nothing was sent before its answer)."""
+        waiter = self._verdict
+        if waiter is None or not waiter.done or waiter.error is None:
+            return
+        self._reset()
+        raise waiter.error
+
+    def _finish_check(self, comm: Communicator) -> None:
+        """The verdict must be yes before data that depends on it moves (deferred: before the step's results are used)."""
+        if self._verified:
+            return
+        check, self._check = self._check, None
+        assert check is not None, "a step's check is started before its first launch"
+        deferred = bool(self._in_flight)
+        started = time.perf_counter()
+        try:
+            values = check.finish(exchange=not deferred)
+        except TensorMismatchError:
+            self._after_mismatch(comm, check)
+            raise
+        self.check_wait_s += time.perf_counter() - started
+        self._accept(values)
+
+    def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
+        """Buckets launched before a deferred verdict may not match the peers' (a different model, an
+        extra collective). If only the steps differ the buckets matched: drain them, then swap
+        descriptions so every rank's message lists every rank's step. Otherwise abort the ring."""
+        in_flight = self._in_flight
+        self._reset()
+        if not in_flight:
+            return
+        if check.same_call:
+            for _, work in in_flight:
+                work.wait()
+            raise TensorMismatchError(check.exchange_message()) from None
+        self._layout = None
+        comm.abort()
+
+    def _ready_one(self, i: int, comm: Communicator) -> bool:
+        """Parameter ``i``'s gradient is final for this step: move it into its view (a large one now,
+        small ones together once their bucket is complete) and count it. True: its bucket is complete."""
+        b = self._bucket_of[i]
+        layout = self._layout or self._layout_for_step()
+        divisor = comm.size if self._op is ReduceOp.AVERAGE and not layout.casts[b] else None
+        if self._nbytes[i] >= constants.GRAD_BATCH_BELOW_BYTES:
+            layout.adopt(i, self._params[i], divisor)
+        else:
+            self._small[b].append(i)
+        ready = self._ready[b] = self._ready[b] + 1
+        if ready != len(self.buckets[b].indices):
+            return False
+        if self._small[b]:
+            layout.adopt_many(self._small[b], self._params, divisor)
+            self._small[b] = []
+        return True
+
+    def _launch_ready(self, comm: Communicator) -> None:
+        """Launch, in order, every bucket that is ready and allowed to go."""
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].indices):
+            if not self._verified and not self._deferred(comm):
+                if self._verdict is not None:  # the helper launches it once the answer is in
+                    if self._gated_since is None:
+                        self._gated_since = time.perf_counter()
+                    return
+                self._finish_check(comm)
+            self._launch(comm, self._next)
+            self._next += 1
+
+    def _launch(self, comm: Communicator, b: int) -> None:
+        if self._gated_since is not None:
+            self.first_bucket_delay_s += time.perf_counter() - self._gated_since
+            self._gated_since = None
+        layout = self._layout_for_step()
+        base_op = ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
+        cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.casts[b] else None
+        if self._in_bucket and b == len(self.buckets) - 1:
+            self._fill_trailer(layout)
+        self._in_flight.append((b, layout.launch(b, comm, base_op, cast_divisor)))
+
+    def _fill_trailer(self, layout: GradLayout) -> None:
+        """Write this rank's agreement (plan, step, boundary flag) behind the last bucket's gradients."""
+        boundary = bool(self.boundary_ask is not None and self.boundary_ask())
+        values = step_trailer.encode(self._digest, self.applied_steps if self._step_armed else None, boundary)
+        trailer = layout.trailer
+        host = torch.tensor(values, dtype=trailer.dtype)
+        if trailer.device.type == "cuda":  # no host wait: from pinned memory, ordered before the bucket's launch
+            host = host.pin_memory()
+            trailer.copy_(host, non_blocking=True)
+            self._trailer_host = host  # alive until the copy ran (the step's end waits on the device anyway)
+        else:
+            trailer.copy_(host)
+
+    def _read_trailer(self, comm: Communicator, layout: GradLayout) -> None:
+        """After the last bucket: every rank reads the same sums, so all agree, or all raise the same way."""
+        step = self.applied_steps if self._step_armed else None
+        verdict = step_trailer.decode(layout.trailer.tolist(), comm.size, self._digest, step)
+        if verdict.agreed:
+            self._boundary_seen = verdict.boundary
+            return
+        if verdict.foreign or not verdict.same_plan:  # a bucket met another collective: the ring is not trusted
+            self._layout = None
+            comm.abort()
+            raise TensorMismatchError(
+                f"{self._kind}: the step's last gradient bucket met a different collective on some rank (a "
+                "collective called by only some ranks, or ranks with different models); this was found by the "
+                "agreement carried in that bucket, after the buckets were sent, so the ring was aborted. Every "
+                "rank must make the same calls in the same order; DistributedOptimizer(strict_checks=True) checks "
+                "before sending anything and names the call each rank made")
+        # only the steps differ (the plan is this rank's on every rank): the buckets matched, the ring is usable
+        raise TensorMismatchError(exchange_message(comm, self._kind, self._entries, step,
+                                                   comm.spec.collective_timeout_s))
+
+    # ------------------------------------------------------------ step
+    def synchronize(self) -> None:
+        """Finish this step's reduction: every parameter's ``.grad`` holds the reduced value."""
+        if self.boundary_due:
+            self.run_boundary(in_step=True)
+        comm = runtime.current()
+        if comm.size == 1:
+            self._reset()
+            self._reduced()
+            return
+        waiter = self._verdict
+        if waiter is not None:  # outside the lock: the helper takes it to launch what became ready
+            started = time.perf_counter()
+            try:
+                waiter.settle()
+            except CommError as exc:
+                with self._lock:
+                    self._on_comm_error(exc)
+                raise
+            finally:
+                self.check_wait_s += time.perf_counter() - started
+        with self._lock:
+            try:
+                self._bind(comm)
+                if self._verdict is waiter:
+                    self._raise_if_verdict_failed()
+                self._start_check(comm, helper=False)  # no gradient arrived this step: check here
+                for i, remaining in enumerate(self._remaining):
+                    if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
+                        self._remaining[i] = 0
+                        self._ready_one(i, comm)
+                self._launch_ready(comm)
+                if self._next != len(self.buckets):
+                    raise RuntimeError(f"internal error: {len(self.buckets) - self._next} gradient buckets were not launched")
+                self._finish_check(comm)  # deferred: the verdict comes before any result is used
+                layout = self._layout_for_step()
+                for b, work in self._in_flight:
+                    work.wait()
+                    layout.finish(b)
+                if self._in_bucket:
+                    self._read_trailer(comm, layout)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
+            finally:
+                self._reset()
+            self._reduced()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        now = time.perf_counter()
+        seconds = None if self._last_step_end is None else now - self._last_step_end
+        self._last_step_end = now
+        self._ring_steps += 1
+        if self._tuner is not None:
+            switch = self._tuner.end_step(seconds)
+            if switch is not None:
+                self._use_plan(switch)
+                self._reset()
+            self._record_tuning()
+
+    def _record_tuning(self) -> None:
+        tuner = self._tuner
+        if tuner is None or tuner.result is None or tuner.result is self.autotune_result:
+            return
+        self.autotune_result = result = tuner.result
+        timeline.instant("autotune", "fusion", chosen_bytes=result.chosen_bytes, candidates=list(result.candidates),
+                         step_ms=[round(t, 3) for t in result.step_ms])
+        times = ", ".join(f"{c >> 10} KiB: {t:.1f} ms" for c, t in zip(result.candidates, result.step_ms)) or "one candidate"
+        _log.info("autotune: DistributedOptimizer uses fusion_threshold_bytes=%d (median step per bucket size: %s; "
+                  "tuned over %d steps)", result.chosen_bytes, times, result.tuning_steps)
+
+    def _on_comm_error(self, exc: CommError) -> None:
+        """Drop everything of this step; gradients become None, and the buckets are rebuilt next time."""
+        self.discard_step()
+        self._layout = None
+        self._boundary_seen = False
+        setattr(exc, "live_state_consistent", True)
