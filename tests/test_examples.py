@@ -96,6 +96,7 @@ def test_quickstart_survivors_with_nothing_left_to_train_return_the_last_logged_
         assert value["steps"] == survivors[0]["steps"] > 0 and math.isfinite(value["final_loss"]), survivors
 
 
+@pytest.mark.slow  # ~12 s: keeps the default suite under CI's 15 minutes; the quickstart runs by default
 def test_digits_reaches_the_stated_accuracy():
     out = subprocess.run([sys.executable, "examples/digits.py", "--workers", "2", "--epochs", "12"],
                          cwd=ROOT, capture_output=True, text=True, timeout=170)
@@ -119,6 +120,7 @@ def test_elastic_demo_loses_a_worker_gains_a_node_and_draws_it(tmp_path):
     assert {"allreduce", "pack", "commit", "sync", "reform", "worker_lost", "worker_joined"} <= names
 
 
+@pytest.mark.slow  # ~13 s: keeps the default suite under CI's 15 minutes
 def test_tensorboard_example_streams_metrics_and_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 
 from examples import horovod_elastic_mnist, ray_train_fashion_mnist
 from ray_integration import ElasticTrainer
@@ -64,6 +65,7 @@ def check_test_split(value, test_images):
     assert [(n, r) for n, r, _, _ in split] == [(size, rank) for _, _, size, rank in split], split
 
 
+@pytest.mark.slow  # ~20 s; tests/test_launch.py runs the same Horovod example under a SIGKILL by default
 def test_horovod_elastic_mnist_port_survives_a_kill_and_a_join(ray_session):
     started = time.monotonic()
     epochs = 3
