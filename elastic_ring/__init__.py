@@ -53,8 +53,40 @@ from .ring.store import StoreServer
 from .collectives import objects as object_collectives
 from .ring import runtime, store
 from . import nccl_communicator  # the old path of backends.nccl.communicator, an alias
+from .ring.distributed_samplers import DistributedSamplerInTraining, allow_epoch_restart
 
 __version__ = "0.1.0"
+
+#: Module paths from before the sub-packages (``import elastic_ring.errors``, ``from elastic_ring.distributed_samplers
+#: import allow_epoch_restart``): each stays importable as an alias of its new module. Not ``elastic_ring.collectives``
+#: (now the sub-package of the collectives API; its functions are ``er.allreduce`` and so on, as before).
+_OLD_PATHS = {
+    "errors": "core.errors", "constants": "core.constants", "validation": "core.validation", "ops": "core.ops",
+    "spec": "core.spec", "identity": "core.identity", "log": "core.log",
+    "communicator": "backends.base", "formation": "backends.formation", "reaper": "backends.reaper",
+    "byte_collectives": "backends.byte_collectives", "gloo_communicator": "backends.gloo",
+    "nccl_lib": "backends.nccl.lib", "nccl_handle": "backends.nccl.handle", "nccl_watchdog": "backends.nccl.watchdog",
+    "nccl_reform": "backends.nccl.reform", "distributed_samplers": "ring.distributed_samplers", "report": "ring.report",
+    "compression": "reduction.compression", "fusion": "reduction.fusion", "autotune": "reduction.autotune",
+    "signature": "reduction.signature", "verdict": "reduction.verdict", "step_trailer": "reduction.step_trailer",
+    "grad_buckets": "reduction.buckets", "grad_reducer": "reduction.reducer", "optimizer": "reduction.optimizer",
+    "handles": "collectives.handles", "scatter": "collectives.scatter", "sync_batch_norm": "collectives.sync_batch_norm",
+    "broadcast_state": "collectives.broadcast_state",
+}
+
+
+def _alias_old_paths() -> None:
+    import importlib
+    import sys
+
+    for old, new in _OLD_PATHS.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules.setdefault(f"{__name__}.{old}", module)
+        if old not in globals():  # er.report stays the function
+            globals()[old] = module
+
+
+_alias_old_paths()
 
 __all__ = [
     "AuthenticationError", "Average", "CommError", "Communicator", "Compression", "Compressor", "DistributedOptimizer",
@@ -66,5 +98,5 @@ __all__ = [
     "set_progress", "set_reporter", "shutdown", "size", "timeline",
     "allgather_async", "allreduce_async", "allreduce_async_", "alltoall", "broadcast_async", "broadcast_async_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "poll", "reducescatter",
-    "synchronize", "SyncBatchNorm", "process_sets",
+    "synchronize", "SyncBatchNorm", "process_sets", "DistributedSamplerInTraining", "allow_epoch_restart",
 ]

@@ -168,7 +168,7 @@ def _refusal(sampler: Any) -> DistributedSamplerInTraining:
         "there); keep it in the state, TorchState(..., sampler=sampler); it keeps each sample of an epoch "
         "exactly once across failures and resizes. DistributedSamplers stay right for evaluation data (no "
         "optimizer step between its batches); for an evaluation stream drawn between training steps, pass it "
-        "to elastic_ring.ring.distributed_samplers.allow_epoch_restart(sampler)")
+        "to elastic_ring.allow_epoch_restart(sampler)")
 
 
 def _watched_iter(self: Any) -> Iterator[int]:
