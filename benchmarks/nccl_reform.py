@@ -169,7 +169,7 @@ class Ranks:
                 proc.kill()
 
 
-def leave(_: int = 0) -> bool:
+def leave() -> bool:
     """This rank leaves its ring gracefully (a drained or stopped worker): it aborts its communicator."""
     er.runtime.current().abort()
     er.shutdown()
@@ -184,7 +184,7 @@ def one_repetition(ranks: Ranks, mode: str, world: int, tmp: pathlib.Path) -> di
     base, victim, survivors = ranks.round, slots[-1], slots[:-1]
     lineage = {"parent_round": base, "parent_ranks": tuple(survivors)} if shrink_grow else {}
     out["leave"] = _form_or_fall_back(ranks, survivors, reform, lineage)
-    ranks.call([victim], "leave", lambda rank: (0,))  # it closes its communicator once the others moved on
+    ranks.call([victim], "leave", lambda rank: ())  # it closes its communicator once the others moved on
     lineage = {"parent_round": ranks.round, "parent_ranks": tuple(range(world - 1)) + (-1,)} if shrink_grow else {}
     out["join"] = _form_or_fall_back(ranks, survivors + [victim], reform, lineage)  # the leaver comes back
 

@@ -78,19 +78,25 @@ _WRAPPED = ("ElasticSampler is a batch sampler: pass it as DataLoader(dataset, b
             "batch_size / shuffle / sampler / drop_last); it was passed as sampler=, which would yield batches of batches")
 
 
+def check_sampler_args(dataset: Sized | int, shuffle: bool, seed: int) -> int:
+    """The dataset's size, after checking what every elastic sampler takes (a dataset or its size, the order)."""
+    if is_int(dataset):
+        size = dataset
+    elif isinstance(dataset, bool) or not hasattr(dataset, "__len__"):
+        raise ValueError(f"ElasticSampler dataset={dataset!r} must be a dataset with len() or its size as an int")
+    else:
+        size = len(dataset)
+    check_int("ElasticSampler", "dataset size", size, minimum=0)
+    check_bool("ElasticSampler", "shuffle", shuffle)
+    check_int("ElasticSampler", "seed", seed, minimum=0, hint="the same seed on every rank gives the same order")
+    return size
+
+
 class ElasticSampler(torch.utils.data.Sampler):
     def __init__(self, dataset: Sized | int, batch_size: int, shuffle: bool = True, seed: int = 0,
                  global_batch_size: int | None = None) -> None:
-        if is_int(dataset):
-            size = dataset
-        elif isinstance(dataset, bool) or not hasattr(dataset, "__len__"):
-            raise ValueError(f"ElasticSampler dataset={dataset!r} must be a dataset with len() or its size as an int")
-        else:
-            size = len(dataset)
-        check_int("ElasticSampler", "dataset size", size, minimum=0)
+        size = check_sampler_args(dataset, shuffle, seed)
         check_int("ElasticSampler", "batch_size", batch_size, minimum=1)
-        check_bool("ElasticSampler", "shuffle", shuffle)
-        check_int("ElasticSampler", "seed", seed, minimum=0, hint="the same seed on every rank gives the same order")
         if global_batch_size is not None:
             check_int("ElasticSampler", "global_batch_size", global_batch_size, minimum=1,
                       hint="the samples of one optimizer step over the whole ring, or None for batch_size per rank")

@@ -27,9 +27,10 @@ import torch
 
 import elastic_ring as er
 import state as _state
-from elastic_ring.core.validation import check_bool, check_int, is_int
+from elastic_ring.core.validation import check_int, is_int
 from elastic_ring.ring.elastic import run
 from state.handlers import StateDictHandler
+from state.sampler import check_sampler_args
 
 #: elastic_ring's own exactly-once *batch* sampler (``DataLoader(ds, batch_sampler=...)``; see :mod:`state.sampler`).
 StepElasticSampler = _state.ElasticSampler
@@ -60,15 +61,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         return super().__new__(cls)
 
     def __init__(self, dataset: Sized | int, shuffle: bool = True, seed: int = 0) -> None:
-        if is_int(dataset):
-            size = dataset
-        elif isinstance(dataset, bool) or not hasattr(dataset, "__len__"):
-            raise ValueError(f"ElasticSampler dataset={dataset!r} must be a dataset with len() or its size as an int")
-        else:
-            size = len(dataset)
-        check_int("ElasticSampler", "dataset size", size, minimum=0)
-        check_bool("ElasticSampler", "shuffle", shuffle)
-        check_int("ElasticSampler", "seed", seed, minimum=0, hint="the same seed on every rank gives the same order")
+        size = check_sampler_args(dataset, shuffle, seed)
         self.dataset = dataset
         self.dataset_size = size
         self.shuffle = shuffle

@@ -115,20 +115,31 @@ def create(lib, world_size: int, unique_id: bytes, rank: int, deadline: float, i
         detail = lib.last_error(None) or lib.error_string(status)
         raise CommError(f"[{identity}] NCCL communicator creation failed ({RESULT_NAMES.get(status, status)}: "
                         f"{detail})")
-    handle = CommHandle(lib, ptr)
-    try:
-        settle(handle, "ncclCommInitRankConfig", deadline, clock, sleep)
-    except TimeoutError:
-        abort(handle, identity)
-        raise CommError(f"[{identity}] NCCL communicator not formed within connect_timeout_s={connect_timeout_s}; "
-                        "a peer did not join (the creation was aborted)") from None
-    except NcclError as exc:
-        abort(handle, identity)
+    def failed(exc: NcclError) -> str:
         hint = ""
         if exc.status == INVALID_USAGE:
             hint = ("; if two ranks of the ring share a GPU, give each worker its own GPU (gpus_per_worker=1), or "
                     "see docs/gpu.md for the NCCL_HOSTID recipe the GPU tests use")
-        raise CommError(f"[{identity}] NCCL communicator creation failed: {exc}{hint}") from exc
+        return f"NCCL communicator creation failed: {exc}{hint}"
+
+    return settle_or_abort(CommHandle(lib, ptr), "ncclCommInitRankConfig", deadline, identity,
+                           f"NCCL communicator not formed within connect_timeout_s={connect_timeout_s}; "
+                           "a peer did not join (the creation was aborted)", failed, clock, sleep)
+
+
+def settle_or_abort(handle: CommHandle, what: str, deadline: float, identity: str, late: str,
+                    failed: Callable[[NcclError], str], clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> CommHandle:
+    """A new communicator, settled; else aborted (never destroyed) and CommError: ``late`` past ``deadline``,
+    ``failed(error)`` on an error state."""
+    try:
+        settle(handle, what, deadline, clock, sleep)
+    except TimeoutError:
+        abort(handle, identity)
+        raise CommError(f"[{identity}] {late}") from None
+    except NcclError as exc:
+        abort(handle, identity)
+        raise CommError(f"[{identity}] {failed(exc)}") from exc
     return handle
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ...core.errors import CommError
-from .handle import CommHandle, abort, settle
+from .handle import CommHandle, settle_or_abort
 from .lib import IN_PROGRESS, RESULT_NAMES, SUCCESS, NcclError
 
 SHRINK, GROW, INIT = "shrink", "grow", "init"
@@ -205,16 +205,10 @@ def _await_child(lib, out, status: int, parent: CommHandle | None, what: str, de
         delay = min(delay * 2, 2e-3)
     handle = CommHandle(lib, out.value)
     handle.keep = out  # NCCL's job may still read the buffers it was given until the child settles
-    try:
-        settle(handle, what, deadline, clock, sleep)
-    except TimeoutError:
-        abort(handle, identity)
-        raise CommError(f"[{identity}] NCCL {what} did not finish within connect_timeout_s={timeout_s}; "
-                        "a peer did not take part (the new communicator was aborted)") from None
-    except NcclError as exc:
-        abort(handle, identity)
-        raise CommError(f"[{identity}] NCCL {what} failed: {exc}") from exc
-    return handle
+    return settle_or_abort(handle, what, deadline, identity,
+                           f"NCCL {what} did not finish within connect_timeout_s={timeout_s}; "
+                           "a peer did not take part (the new communicator was aborted)",
+                           lambda exc: f"NCCL {what} failed: {exc}", clock, sleep)
 
 
 def shrink(parent: CommHandle, exclude: tuple[int, ...], deadline: float, identity: str,
