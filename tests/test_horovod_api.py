@@ -11,6 +11,34 @@ import elastic_ring as er
 import ray_integration.horovod as hvd
 
 
+# ------------------------------------------------------------------ the public names
+#: What ``horovod.torch`` exports (its ``__init__``'s imports, Horovod 0.28 / master 2026).
+HOROVOD_TORCH_NAMES = {
+    "elastic", "Compression", "allgather_object", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_", "sparse_allreduce_async",
+    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async",
+    "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll", "synchronize", "init",
+    "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
+    "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+    "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
+    "DistributedOptimizer", "SyncBatchNorm",
+}
+#: Ours beyond Horovod's (``horovod.common.exceptions.HostsUpdatedInterrupt``; ``is_homogeneous`` of its basics).
+EXTRA_NAMES = {"HostsUpdatedInterrupt", "is_homogeneous"}
+
+
+def test_the_public_names_are_horovods():
+    assert set(hvd.__all__) == HOROVOD_TORCH_NAMES | EXTRA_NAMES
+    missing = [name for name in hvd.__all__ if not hasattr(hvd, name)]
+    assert not missing, f"__all__ names what hvd lacks: {missing}"
+    namespace: dict = {}
+    exec("from ray_integration.horovod import *", namespace)  # noqa: S102 - what a script's star import gets
+    assert HOROVOD_TORCH_NAMES <= set(namespace)
+
+
 # ------------------------------------------------------------------ broadcast_parameters
 def _broadcast_parameter_forms():
     rank = er.rank()
@@ -72,7 +100,7 @@ def test_horovod_internal_error_is_a_runtime_error_and_a_comm_error_and_not_a_me
     assert hvd.HostsUpdatedInterrupt is er.MembershipChanged and not issubclass(er.MembershipChanged, er.CommError)
     plain = er.CommError("peer lost")
     plain.live_state_consistent = True
-    translated = hvd._internal_error(plain)
+    translated = hvd.errors._internal_error(plain)
     assert isinstance(translated, hvd.HorovodInternalError) and str(translated) == "peer lost"
     assert translated.live_state_consistent is True  # what the elastic loop reads survives
 
@@ -252,7 +280,7 @@ def _process_set_after_reform(expect_usable: bool):
     """The next round (a new task): the set registered in the last one still names ranks 0 and 2."""
     from elastic_ring.ring import process_sets
 
-    evens = next(s for s in hvd._Registry.sets.values() if s.ranks == [0, 2])
+    evens = next(s for s in hvd.process_sets._Registry.sets.values() if s.ranks == [0, 2])
     leftover = len(process_sets._subrings)  # the last round's sub-rings went with its ring
     rank = er.rank()
     if rank not in (0, 2) and expect_usable:

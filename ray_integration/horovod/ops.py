@@ -1,0 +1,239 @@
+"""Horovod's collectives (allreduce, allgather, broadcast, reducescatter, alltoall, their grouped and sparse
+forms, objects, barrier, join) over elastic_ring's, with Horovod's arguments and scaling."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+import elastic_ring as er
+from elastic_ring.core.ops import Average, ReduceOp
+from elastic_ring.reduction.compression import Compression
+
+from .errors import _hvd_call
+from .process_sets import _agreed, _on, _root, global_process_set
+from .topology import size
+
+#: Horovod's ops that elastic_ring does not have: accepted as names, refused with a clear error where used.
+Adasum = "adasum"
+
+
+def _op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
+    if average is not None and op is not None:
+        raise ValueError("The op parameter supersedes average; please provide only one of them.")
+    if op is None:
+        return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
+    if isinstance(op, str) and op.lower() == "adasum":
+        raise NotImplementedError("op=Adasum is not supported by elastic_ring; use hvd.Average (and the learning "
+                                  "rate scaled by hvd.size())")
+    return ReduceOp.parse(op)
+
+
+def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Horovod's scaling: integers in float64 and back (truncating), half precision in float32 and back."""
+    if factor == 1.0:
+        return t
+    if not t.is_floating_point():
+        return (t.to(torch.float64) * factor).to(t.dtype)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return (t.float() * factor).to(t.dtype)
+    return t * factor
+
+
+def _scaled(tensors: Sequence[torch.Tensor], factor: float) -> list[torch.Tensor]:
+    return [_scale(t, factor) for t in tensors]
+
+
+def _sparse_op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
+    reduce_op = _op(average, op)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"a sparse tensor is reduced with op=Sum or op=Average, not op={reduce_op.value}")
+    return reduce_op
+
+
+@_hvd_call
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression=Compression.none, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
+    """Horovod's allreduce (differentiable): ``postscale * reduce(prescale * tensor)``. A sparse tensor is
+    reduced as :func:`sparse_allreduce_async` does (Sum or Average; the result is sparse)."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
+        reduce_op = _agreed("sparse_allreduce", [], process_set, lambda: _sparse_op(average, op))
+        scaled = tensor if prescale_factor == 1.0 else tensor * prescale_factor
+        out = sparse_allreduce_async(scaled, name, reduce_op, process_set)()
+        return out if postscale_factor == 1.0 else out * postscale_factor
+    return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
+                             process_set)[0]
+
+
+@_hvd_call
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    return grouped_allreduce_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)[0]
+
+
+@_hvd_call
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression=Compression.none, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
+    reduce_op = _agreed("grouped_allreduce", tensors, process_set, lambda: _op(average, op))
+    with _on(process_set):
+        reduced = er.grouped_allreduce(_scaled(tensors, prescale_factor), op=reduce_op, name=name,
+                                       compression=compression)
+    return _scaled(reduced, postscale_factor)
+
+
+@_hvd_call
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Any = global_process_set) -> list[torch.Tensor]:
+    reduce_op = _agreed("grouped_allreduce_", tensors, process_set, lambda: _op(average, op))
+    with torch.no_grad(), _on(process_set):
+        for t in tensors:
+            t.copy_(_scale(t, prescale_factor))
+        er.grouped_allreduce_(list(tensors), op=reduce_op, name=name)
+        for t in tensors:
+            t.copy_(_scale(t, postscale_factor))
+    return list(tensors)
+
+
+@_hvd_call
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
+    with _on(process_set):
+        return er.allgather(tensor, name=name)
+
+
+@_hvd_call
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: Any = global_process_set) -> list[torch.Tensor]:
+    with _on(process_set):
+        return [er.allgather(t, name=None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+
+
+@_hvd_call
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    with _on(process_set) as ranks:
+        return er.broadcast(tensor, _agreed("broadcast", tensor, process_set, lambda: _root(root_rank, ranks)),
+                            name=name)
+
+
+@_hvd_call
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    with torch.no_grad(), _on(process_set) as ranks:
+        return er.broadcast_(tensor, _agreed("broadcast_", tensor, process_set, lambda: _root(root_rank, ranks)),
+                             name=name)
+
+
+@_hvd_call
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Compression.none,
+                  op: ReduceOp | str = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    return grouped_reducescatter([tensor], name, compression, op, process_set, prescale_factor, postscale_factor)[0]
+
+
+@_hvd_call
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression=Compression.none,
+                          op: ReduceOp | str = Average, process_set: Any = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    def validate() -> ReduceOp:
+        if compression is not Compression.none:
+            raise NotImplementedError("reducescatter with compression is not supported by elastic_ring; leave it out")
+        return _op(None, op)
+
+    reduce_op = _agreed("grouped_reducescatter", tensors, process_set, validate)
+    with _on(process_set):
+        out = er.grouped_reducescatter(_scaled(tensors, prescale_factor), op=reduce_op, name=name)
+    return _scaled(out, postscale_factor)
+
+
+@_hvd_call
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set: Any = global_process_set):
+    with _on(process_set):
+        return er.alltoall(tensor, splits, name=name)
+
+
+# ------------------------------------------------------------------ sparse tensors
+class _SparseHandle:
+    """What :func:`sparse_allreduce_async` returns: call it (or pass it to :func:`synchronize`) for the result."""
+
+    def __init__(self, tensor: torch.Tensor, start: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                 divisor: int | None) -> None:
+        self._tensor, self._divisor = tensor, divisor
+        self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        try:  # both allgathers now, in order (as elastic_ring's allgathers complete at the call); an error (a
+            # mismatch with a peer) stops before the second, so that it cannot pair with the peer's next call
+            self._parts: tuple[torch.Tensor, torch.Tensor] | None = start()
+        except Exception as exc:  # noqa: BLE001 - delivered by the call, as Horovod's handles do
+            self._parts, self._error = None, exc
+
+    def done(self) -> bool:
+        return True
+
+    def __call__(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            indices, values = self._parts
+            if self._divisor is not None:
+                values = values / self._divisor
+            self._result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, self._tensor.size(),
+                                                   device=self._tensor.device, check_invariants=False)
+        return self._result
+
+
+@_hvd_call
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp | str,
+                           process_set: Any = global_process_set) -> _SparseHandle:
+    """Horovod's sparse allreduce: every rank's indices and values are allgathered, so the result holds every
+    rank's entries (uncoalesced: entries at the same index add up), the values divided by the set's size for
+    ``op=Average``. Returns a handle: call it (as Horovod's) or pass it to :func:`synchronize`."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async reduces a sparse COO tensor (tensor.is_sparse); use allreduce_async "
+                         "for a dense one")
+    reduce_op = _agreed("sparse_allreduce", [], process_set, lambda: _sparse_op(None, op))
+
+    def start() -> tuple[torch.Tensor, torch.Tensor]:
+        indices = allgather(tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+                            process_set=process_set)
+        values = allgather(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
+        return indices, values
+
+    members = size() if process_set is None or process_set is global_process_set else len(process_set.ranks or ())
+    return _SparseHandle(tensor, start, members if reduce_op is ReduceOp.AVERAGE else None)
+
+
+# ------------------------------------------------------------------ objects, barrier, join
+@_hvd_call
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = global_process_set) -> Any:
+    with _on(process_set) as ranks:
+        return er.broadcast_object(obj, _agreed("broadcast_object", [], process_set, lambda: _root(root_rank, ranks)),
+                                   name=name)
+
+
+@_hvd_call
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list:
+    with _on(process_set):
+        return er.allgather_object(obj, name=name)
+
+
+@_hvd_call
+def barrier(process_set: Any = global_process_set) -> None:
+    with _on(process_set):
+        er.barrier()
+
+
+def join(device: int = -1) -> int:
+    """Horovod's ``join`` is not offered: elastic_ring's collectives pair by call order, and the gradient
+    reduction of a step after a ring's first carries its agreement inside its buckets, with no exchange that a
+    rank waiting in ``join()`` could answer with zeros. Give every rank the same number of steps instead (an
+    ``ElasticSampler`` / ``DistributedSampler`` with ``drop_last=True``, or a constant global batch)."""
+    raise NotImplementedError(
+        "hvd.join() is not supported by elastic_ring: give every rank the same number of batches (ElasticSampler or "
+        "DistributedSampler with drop_last=True, or ElasticSampler(global_batch_size=...)) so that no rank runs out "
+        "of data before the others")

@@ -1,0 +1,119 @@
+"""Horovod's topology calls (rank, size, local and cross ranks) and build flags over elastic_ring's ring."""
+
+from __future__ import annotations
+
+import torch
+
+import elastic_ring as er
+from elastic_ring.core.errors import NotInitializedError
+from elastic_ring.ring import runtime
+
+from .errors import _LAUNCH
+
+
+class _Session:
+    """Whether this script called hvd.shutdown() since its last hvd.init() (Horovod's is_initialized() then says
+    False and rank() raises; the ring itself belongs to the launcher and stays)."""
+
+    shut = False
+
+
+def is_initialized() -> bool:
+    return er.is_initialized() and not _Session.shut
+
+
+def _spec():
+    if _Session.shut:
+        raise ValueError("Horovod has not been initialized; use hvd.init() (it was shut down)")
+    try:
+        return runtime.current().spec
+    except NotInitializedError:
+        raise ValueError("Horovod has not been initialized; use hvd.init(), and " + _LAUNCH) from None
+
+
+def rank() -> int:
+    return _spec().rank
+
+
+def size() -> int:
+    return _spec().world_size
+
+
+def local_rank() -> int:
+    return _spec().local_rank
+
+
+def local_size() -> int:
+    return _spec().local_size
+
+
+def _cross() -> tuple[int, int]:
+    """This rank's index among the ranks with its local rank (one per node), and how many there are."""
+    spec = _spec()
+    seen: dict[str, int] = {}
+    local = []
+    for node in spec.node_ids:
+        local.append(seen.get(node, 0))
+        seen[node] = seen.get(node, 0) + 1
+    peers = [r for r, lr in enumerate(local) if lr == local[spec.rank]]
+    return peers.index(spec.rank), len(peers)
+
+
+def cross_rank() -> int:
+    return _cross()[0]
+
+
+def cross_size() -> int:
+    return _cross()[1]
+
+
+def is_homogeneous() -> bool:
+    spec = _spec()
+    counts = [spec.node_ids.count(n) for n in set(spec.node_ids)]
+    return len(set(counts)) == 1
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return True
+
+
+def gloo_built() -> bool:
+    return True
+
+
+def nccl_built() -> int:
+    """Horovod returns NCCL's version as an int (e.g. 23203), 0 without NCCL."""
+    if not er.nccl_available():
+        return 0
+    from elastic_ring.backends.nccl import lib as nccl_lib
+
+    major, minor, patch = nccl_lib.version_tuple(nccl_lib.load().version())
+    return major * 10000 + minor * 100 + patch
+
+
+def cuda_built() -> bool:
+    return torch.cuda.is_available()
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
