@@ -13,7 +13,7 @@ from elastic_ring.core.ops import Average, ReduceOp
 from elastic_ring.reduction.compression import Compression
 
 from .errors import _hvd_call
-from .ops import (_op, _SparseHandle, allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
+from .ops import (Adasum, _reduce_op, _SparseHandle, allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
                   grouped_allgather, grouped_allreduce, grouped_allreduce_, grouped_reducescatter, reducescatter)
 from .process_sets import _agreed, _on, global_process_set
 
@@ -41,8 +41,10 @@ def synchronize(handle: Any) -> Any:
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set):
-    reduce_op = _agreed("allreduce_async", tensor, process_set, lambda: _op(average, op))
-    if prescale_factor == postscale_factor == 1.0 and not (isinstance(tensor, torch.Tensor) and tensor.is_sparse):
+    reduce_op = _agreed("allreduce_async", tensor, process_set,
+                        lambda: _reduce_op(average, op, tensor, process_set))
+    if (prescale_factor == postscale_factor == 1.0 and reduce_op != Adasum
+            and not (isinstance(tensor, torch.Tensor) and tensor.is_sparse)):
         with _on(process_set):  # launched now, runs while the script works
             return er.allreduce_async(tensor, op=reduce_op, name=name)
     return Handle(lambda: allreduce(tensor, None, name, Compression.none, reduce_op, prescale_factor,
@@ -53,8 +55,9 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set):
-    reduce_op = _agreed("allreduce_async_", tensor, process_set, lambda: _op(average, op))
-    if prescale_factor == postscale_factor == 1.0:
+    reduce_op = _agreed("allreduce_async_", tensor, process_set,
+                        lambda: _reduce_op(average, op, tensor, process_set))
+    if prescale_factor == postscale_factor == 1.0 and reduce_op != Adasum:
         with _on(process_set):
             return er.allreduce_async_(tensor, op=reduce_op, name=name)
     return Handle(lambda: allreduce_(tensor, None, name, reduce_op, prescale_factor, postscale_factor, process_set))
@@ -64,8 +67,9 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = global_process_set):
-    reduce_op = _agreed("grouped_allreduce_async", tensors, process_set, lambda: _op(average, op))
-    if prescale_factor == postscale_factor == 1.0:
+    reduce_op = _agreed("grouped_allreduce_async", tensors, process_set,
+                        lambda: _reduce_op(average, op, tensors, process_set))
+    if prescale_factor == postscale_factor == 1.0 and reduce_op != Adasum:
         with _on(process_set):
             return er.grouped_allreduce_async(list(tensors), op=reduce_op, name=name)
     return Handle(lambda: grouped_allreduce(tensors, None, name, Compression.none, reduce_op, prescale_factor,
@@ -76,8 +80,9 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: Any = global_process_set):
-    reduce_op = _agreed("grouped_allreduce_async_", tensors, process_set, lambda: _op(average, op))
-    if prescale_factor == postscale_factor == 1.0:
+    reduce_op = _agreed("grouped_allreduce_async_", tensors, process_set,
+                        lambda: _reduce_op(average, op, tensors, process_set))
+    if prescale_factor == postscale_factor == 1.0 and reduce_op != Adasum:
         with _on(process_set):
             return er.grouped_allreduce_async_(list(tensors), op=reduce_op, name=name)
     return Handle(lambda: grouped_allreduce_(tensors, None, name, reduce_op, prescale_factor, postscale_factor,

@@ -11,23 +11,41 @@ import elastic_ring as er
 from elastic_ring.core.ops import Average, ReduceOp
 from elastic_ring.reduction.compression import Compression
 
+from . import adasum as _adasum
+from .adasum import Adasum
 from .errors import _hvd_call
 from .process_sets import _agreed, _on, _root, global_process_set
 from .topology import size
 
-#: Horovod's ops that elastic_ring does not have: accepted as names, refused with a clear error where used.
-Adasum = "adasum"
 
-
-def _op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
+def _op(average: bool | None, op: ReduceOp | str | None, adasum_for: str | None = None) -> ReduceOp | str:
+    """The reduction ``average=`` / ``op=`` ask for; ``Adasum`` only where ``adasum_for`` says who refuses it
+    is None (the allreduce family)."""
     if average is not None and op is not None:
         raise ValueError("The op parameter supersedes average; please provide only one of them.")
     if op is None:
         return ReduceOp.SUM if average is False else ReduceOp.AVERAGE
-    if isinstance(op, str) and op.lower() == "adasum":
-        raise NotImplementedError("op=Adasum is not supported by elastic_ring; use hvd.Average (and the learning "
-                                  "rate scaled by hvd.size())")
+    if _adasum.is_adasum(op):
+        if adasum_for is not None:
+            raise NotImplementedError(f"op=Adasum is not offered by {adasum_for} (nor by Horovod): Adasum is an "
+                                      "allreduce (hvd.allreduce / grouped_allreduce and their _async / in-place forms)")
+        return Adasum
     return ReduceOp.parse(op)
+
+
+def _members(process_set: Any) -> int:
+    """How many ranks ``process_set`` has (the ring's size for the global one)."""
+    if process_set is None or process_set is global_process_set:
+        return size()
+    return len(process_set.ranks or ())
+
+
+def _reduce_op(average: bool | None, op: ReduceOp | str | None, tensors: Any, process_set: Any) -> ReduceOp | str:
+    """:func:`_op` for the allreduce family: ``Adasum`` checked against the tensors and the set's size."""
+    reduce_op = _op(average, op)
+    if reduce_op == Adasum:
+        _adasum.check(list(tensors) if isinstance(tensors, (list, tuple)) else [tensors], _members(process_set))
+    return reduce_op
 
 
 def _scale(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -46,7 +64,7 @@ def _scaled(tensors: Sequence[torch.Tensor], factor: float) -> list[torch.Tensor
 
 
 def _sparse_op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
-    reduce_op = _op(average, op)
+    reduce_op = _op(average, op, adasum_for="the reduction of a sparse tensor")
     if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise ValueError(f"a sparse tensor is reduced with op=Sum or op=Average, not op={reduce_op.value}")
     return reduce_op
@@ -78,7 +96,12 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression=Compression.none, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
-    reduce_op = _agreed("grouped_allreduce", tensors, process_set, lambda: _op(average, op))
+    reduce_op = _agreed("grouped_allreduce", tensors, process_set,
+                        lambda: _reduce_op(average, op, tensors, process_set))
+    if reduce_op == Adasum:
+        with _on(process_set):
+            reduced = _adasum.adasum(_scaled(tensors, prescale_factor), name=name)
+        return _scaled(reduced, postscale_factor)
     with _on(process_set):
         reduced = er.grouped_allreduce(_scaled(tensors, prescale_factor), op=reduce_op, name=name,
                                        compression=compression)
@@ -89,11 +112,16 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: ReduceOp | str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
-    reduce_op = _agreed("grouped_allreduce_", tensors, process_set, lambda: _op(average, op))
+    reduce_op = _agreed("grouped_allreduce_", tensors, process_set,
+                        lambda: _reduce_op(average, op, tensors, process_set))
     with torch.no_grad(), _on(process_set):
         for t in tensors:
             t.copy_(_scale(t, prescale_factor))
-        er.grouped_allreduce_(list(tensors), op=reduce_op, name=name)
+        if reduce_op == Adasum:
+            for t, reduced in zip(tensors, _adasum.adasum(list(tensors), name=name)):
+                t.copy_(reduced)
+        else:
+            er.grouped_allreduce_(list(tensors), op=reduce_op, name=name)
         for t in tensors:
             t.copy_(_scale(t, postscale_factor))
     return list(tensors)
@@ -142,7 +170,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     def validate() -> ReduceOp:
         if compression is not Compression.none:
             raise NotImplementedError("reducescatter with compression is not supported by elastic_ring; leave it out")
-        return _op(None, op)
+        return _op(None, op, adasum_for="reducescatter")
 
     reduce_op = _agreed("grouped_reducescatter", tensors, process_set, validate)
     with _on(process_set):
@@ -203,8 +231,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
         values = allgather(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
         return indices, values
 
-    members = size() if process_set is None or process_set is global_process_set else len(process_set.ranks or ())
-    return _SparseHandle(tensor, start, members if reduce_op is ReduceOp.AVERAGE else None)
+    return _SparseHandle(tensor, start, _members(process_set) if reduce_op is ReduceOp.AVERAGE else None)
 
 
 # ------------------------------------------------------------------ objects, barrier, join
