@@ -463,11 +463,9 @@ def _every_collective_every_dtype():
                 offset, n = rank * (6 // size), 6 // size
                 check(f"reducescatter {name} {label}", hvd.reducescatter(mine, op=OPS[label], name=name),
                       _reference(label, every)[offset: offset + n])
-    try:
-        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
-        failures.append("Adasum: no error")
-    except NotImplementedError:
-        pass
+    adasum = hvd.allreduce(torch.full((2,), float(rank + 1)), op=hvd.Adasum)  # parallel vectors: their average
+    if not torch.equal(adasum, torch.full((2,), 1.5)):
+        failures.append(f"Adasum of parallel vectors: {adasum.tolist()}, not their average 1.5")
     hvd.barrier()
     return failures, len(checks)
 
@@ -516,7 +514,7 @@ def _hvd_argument_error_on_one_rank():
     rank = er.rank()
     cases = {
         "average and op": lambda bad: hvd.allreduce(torch.ones(2), average=True if bad else None, op=hvd.Sum),
-        "Adasum": lambda bad: hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum if bad else hvd.Sum),
+        "Adasum": lambda bad: hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum if bad else hvd.Sum),  # 3 ranks
         "async Adasum": lambda bad: hvd.synchronize(hvd.allreduce_async(torch.ones(2), op=hvd.Adasum if bad else hvd.Sum)),
         "reducescatter compression": lambda bad: hvd.reducescatter(
             torch.ones(2), compression=hvd.Compression.fp16 if bad else hvd.Compression.none),
