@@ -24,6 +24,7 @@ from elastic_ring.ring.store import connect
 
 from elastic_ring.core.log import get_logger
 
+from . import data as data_input
 from .channel import Channel, with_retries
 from .devices import worker_cuda_device
 from .protocol import Keys
@@ -151,6 +152,7 @@ class RingWorker:
         state_pkg.set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, "resumed", info=info))
         state_pkg.set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, "checkpoint",
                                                                         event=event))
+        data_input.install(settings.get("datasets"))  # ElasticTrainer(datasets=...): get_dataset_shard(name) in fn
         self._flush_timeout_s = settings["flush_timeout_s"]
         if settings.get("tune_allocator"):
             er.allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
