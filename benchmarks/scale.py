@@ -172,7 +172,7 @@ def recovery_time(world: int, step_delay_s: float) -> tuple[float, float | None]
         result = ElasticTrainer(min_workers=max(1, world - 1), max_workers=world, progress=False).run(
             recovery_job, config={"kill_file": kill_file, "step_delay_s": step_delay_s, "steps": KILL_STEP + 30})
         killed_at = float(pathlib.Path(kill_file).read_text())
-    after = [m["time"] for m in result.metrics if m["round"] is not None and m["round"] > 1]
+    after = [m["time"] for m in result.metrics_history if m["round"] is not None and m["round"] > 1]
     recovered = [e.detail.get("seconds") for e in result.events if e.kind == "recovered"]
     return min(after) - killed_at, (recovered[0] if recovered else None)
 

@@ -86,10 +86,10 @@ def plot(result, actions: list[tuple[float, str]], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t0 = result.metrics[0]["time"]
-    times = [m["time"] - t0 for m in result.metrics]
+    t0 = result.metrics_history[0]["time"]
+    times = [m["time"] - t0 for m in result.metrics_history]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), height_ratios=[3, 1])
-    top.plot(times, [m["loss"] for m in result.metrics], color="tab:blue", lw=1.2)
+    top.plot(times, [m["loss"] for m in result.metrics_history], color="tab:blue", lw=1.2)
     top.set_ylabel("training loss (ring mean)")
     top.set_yscale("log")
     top.set_title("elastic_ring: training through a lost worker and an added node")

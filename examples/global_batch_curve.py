@@ -74,7 +74,7 @@ def train(config: dict):
 
 def curve(result) -> dict[int, tuple[float, int]]:
     """step -> (loss, world) from rank 0's reports (the last report of a step wins: a redone step)."""
-    return {m["step"]: (m["loss"], m["world"]) for m in result.metrics if "step" in m}
+    return {m["step"]: (m["loss"], m["world"]) for m in result.metrics_history if "step" in m}
 
 
 def plot(steady: dict, resized: dict, path: pathlib.Path) -> None:

@@ -69,7 +69,7 @@ def main() -> None:
     if not result.completed:  # stopped (SIGTERM) before fn returned: a job runner should run it again
         sys.exit(75)
     print(f"result: {result.value}")
-    print(f"first reported loss {result.metrics[0]['loss']:.4f}, last {result.metrics[-1]['loss']:.4f}")
+    print(f"first reported loss {result.metrics_history[0]['loss']:.4f}, last {result.metrics['loss']:.4f}")
     for event in result.events:
         print(f"event: {event.kind} round={event.round_id} world={event.world_size} {event.detail}")
 

@@ -4,16 +4,16 @@ Original: ray-project/ray ``python/ray/train/examples/pytorch/torch_fashion_mnis
 048bcae). Run it (about 16 s on 2 cores; no download: synthetic 28x28 "fashion-like" images, one random
 smooth prototype per class plus noise)::
 
-    python examples/ray_train_fashion_mnist.py [--workers 2] [--epochs 10]
+    python examples/ray_train_fashion_mnist.py [--workers 2] [--epochs 10] [--storage-path /abs/dir]
 
 What changed from the original, line by line:
 
- 1. ``import ray.train`` / ``ScalingConfig`` / ``TorchTrainer`` / torchvision -> ``import elastic_ring as
-    er``, ``from state import ElasticSampler, TorchState``, ``from ray_integration import ElasticTrainer``.
-    Added ``er.size()`` first in ``train_func_per_worker`` (Ray Train's process group exists before the
-    function runs; elastic_ring forms the worker's ring at its first call; optional: an ``ElasticSampler``
-    built before the ring exists is cut for the ring at the state's first sync). Also
-    ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)`` (2-core machine; the same initial model).
+ 1. ``import ray.train`` / ``TorchTrainer`` / torchvision -> ``import elastic_ring as er``, ``from state import
+    ElasticSampler, TorchState``, ``from ray_integration import ElasticTrainer, get_checkpoint, get_context,
+    report`` (``ray.train``'s ``Checkpoint``, ``RunConfig``, ``ScalingConfig`` stay). Added ``er.size()`` first in
+    ``train_func_per_worker`` (Ray Train's process group exists before the function runs; elastic_ring forms the
+    worker's ring at its first call; optional). Also ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``
+    (2-core machine; the same initial model).
  2. ``get_dataloaders``: ``datasets.FashionMNIST(root="~/data", download=True, transform=...)`` ->
     ``fashion_like(...)`` (same shape, same ``Normalize((0.5,), (0.5,))``); sizes from ``config``.
  3. ``[1] train_dataloader = ray.train.torch.prepare_data_loader(train_dataloader)`` ->
@@ -21,32 +21,40 @@ What changed from the original, line by line:
     ``DataLoader(dataset, batch_sampler=train_sampler)`` (``prepare_data_loader`` adds a
     ``DistributedSampler``, with ``shuffle=False`` for a sequential loader, and calls its ``set_epoch``).
  4. ``test_dataloader = ray.train.torch.prepare_data_loader(test_dataloader)`` -> a ``DataLoader`` with
-    ``DistributedSampler(test_data, num_replicas=er.size(), rank=er.rank(), shuffle=False)`` (what
-    ``prepare_data_loader`` builds; the elastic loop re-points it at every new ring, as the loop's
-    function names ``test_dataloader``; at the first re-point each worker logs a WARNING meant for
+    ``DistributedSampler(test_data, num_replicas=context.get_world_size(), rank=context.get_world_rank(),
+    shuffle=False)`` (what ``prepare_data_loader`` builds; the elastic loop re-points it at every new ring, as the
+    loop's function names ``test_dataloader``; at the first re-point each worker logs a WARNING meant for
     training data, "that epoch restarts and part of it is seen twice", harmless for this test loader).
  5. ``[2] model = ray.train.torch.prepare_model(model)`` (DDP) -> removed; the optimizer line becomes
     ``er.DistributedOptimizer(torch.optim.SGD(...), model.named_parameters())``.
- 6. added ``state = TorchState(model=model, optimizer=optimizer, sampler=train_sampler, epoch=0)``.
+ 6. added ``state = TorchState(model=model, optimizer=optimizer, sampler=train_sampler, epoch=0)``, then Ray
+    Train's resume pattern: ``checkpoint = get_checkpoint()``; if there is one, load the model, the optimizer
+    and the epoch from its ``checkpoint.pt`` (the original does not checkpoint; this is the pattern of Ray
+    Train's checkpointing guide).
  7. ``for epoch in range(epochs):`` -> ``@er.elastic.run def train_loop(state): for state.epoch in
     range(state.epoch, epochs):`` with ``train_sampler.set_epoch(state.epoch)`` first (what
     ``prepare_data_loader``'s loader did), and ``epoch`` -> ``state.epoch`` in the tqdm labels; the
     tqdm bars are off unless ``config["tqdm"]`` (they would fill every worker's log).
  8. added ``train_sampler.record_batch()`` after ``optimizer.step()``.
- 9. ``[3] ray.train.report(metrics={...})`` -> ``er.report(**metrics)`` (rank 0's record reaches the
-    driver, as Ray Train keeps rank 0's), then ``state.commit()`` at the epoch's end.
-10. ``train_func_per_worker`` returns the last metrics (``result.value``); ``ray.train.report``'s
-    checkpoint-less Result had them as ``result.metrics``.
+ 9. ``[3] ray.train.report(metrics={...})`` -> ``report(metrics, checkpoint=...)`` (``from ray_integration``:
+    rank 0's record reaches the driver, as Ray Train keeps rank 0's); with a location (``--storage-path``),
+    rank 0 saves the model, the optimizer and the epoch into a temporary directory and reports it as
+    ``Checkpoint.from_directory(d)`` (uploaded and verified before ``report`` returns); then
+    ``state.commit()`` at the epoch's end. The metrics also carry the epoch.
+10. ``train_func_per_worker`` returns the last metrics (``result.value``); ``result.metrics`` is the last
+    reported record, as in Ray Train.
 11. ``TorchTrainer(train_loop_per_worker=..., train_loop_config=..., scaling_config=ScalingConfig(
-    num_workers=n, use_gpu=...)).fit()`` -> ``ElasticTrainer(min_workers=1, max_workers=n,
-    use_gpu=...).run(train_func_per_worker, train_config)``; ``batch_size_per_worker`` keeps the
-    original ``global_batch_size // num_workers`` (``ElasticSampler(global_batch_size=32)`` would keep
-    the global batch at 32 whatever the world size).
+    num_workers=n, use_gpu=...)).fit()`` -> ``ElasticTrainer(scaling_config=ScalingConfig(num_workers=(1, n),
+    use_gpu=...), run_config=RunConfig(storage_path=..., name=...)).run(train_func_per_worker, train_config)``
+    (elastic: 1 to n workers; no ``run_config`` without ``--storage-path``); ``batch_size_per_worker`` keeps the
+    original ``global_batch_size // num_workers`` (``ElasticSampler(global_batch_size=32)`` would keep the
+    global batch at 32 whatever the world size).
 12. added (off by default): ``config["log_every"]`` = n averages the training loss over the ring with
     one allreduce every n steps and reports it with the epoch's progress.
 
 Lines marked ``# test hook`` are not part of the port: they let ``tests/test_ported_scripts.py`` kill a
-rank right after a chosen step (``config["kill"] = (round, rank, step)``), slow steps down, and count
+rank right after a chosen step (``config["kill"] = (round, rank, step)``) or every rank right after an epoch's
+report (``config["kill_all_after_epoch"]``), slow steps down, and count
 every sample's uses exactly (``config["count_hits"]``: a parameter whose gradient is the batch's one-hot
 hits, applied in the same optimizer step as the batch).
 """
@@ -60,13 +68,16 @@ import sys
 import time
 from typing import Dict
 
+import tempfile
+
 import torch
+from ray.train import Checkpoint, RunConfig, ScalingConfig
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 import elastic_ring as er
-from ray_integration import ElasticTrainer
+from ray_integration import ElasticTrainer, get_checkpoint, get_context, report
 from state import ElasticSampler, TorchState
 
 
@@ -148,8 +159,9 @@ def train_func_per_worker(config: Dict):
     # =======================================================================
     train_sampler = ElasticSampler(training_data, batch_size=batch_size, shuffle=False)
     train_dataloader = DataLoader(training_data, batch_sampler=train_sampler)
+    context = get_context()
     test_dataloader = DataLoader(test_dataloader.dataset, batch_size=batch_size, sampler=DistributedSampler(
-        test_dataloader.dataset, num_replicas=er.size(), rank=er.rank(), shuffle=False))
+        test_dataloader.dataset, num_replicas=context.get_world_size(), rank=context.get_world_rank(), shuffle=False))
 
     model = NeuralNetwork()
 
@@ -163,6 +175,18 @@ def train_func_per_worker(config: Dict):
     loss_fn = nn.CrossEntropyLoss()
     optimizer = er.DistributedOptimizer(torch.optim.SGD(groups, lr=lr, momentum=0.9), model.named_parameters())
     state = TorchState(model=model, optimizer=optimizer, sampler=train_sampler, epoch=0)
+
+    # Resume from the newest reported checkpoint (an earlier run's too, after the whole cluster was lost)
+    resumed_epoch = None
+    checkpoint = get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as checkpoint_dir:
+            saved = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"))
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        resumed_epoch = saved["epoch"]
+        state.epoch = resumed_epoch + 1
+
     kill = tuple(config["kill"]) if config.get("kill") else None  # test hook
     log_every = config.get("log_every", 0)
 
@@ -208,10 +232,18 @@ def train_func_per_worker(config: Dict):
             test_loss /= len(test_dataloader)
             accuracy = num_correct / num_total
 
-            # [3] Report metrics to the driver (rank 0's)
+            # [3] Report metrics and checkpoint (rank 0's)
             # ===============================
-            metrics = {"test_loss": test_loss, "accuracy": accuracy}
-            er.report(**metrics)
+            metrics = {"test_loss": test_loss, "accuracy": accuracy, "epoch": state.epoch}
+            with tempfile.TemporaryDirectory() as temp_checkpoint_dir:
+                checkpoint = None
+                if config.get("checkpoint") and context.get_world_rank() == 0:
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": state.epoch},
+                               os.path.join(temp_checkpoint_dir, "checkpoint.pt"))
+                    checkpoint = Checkpoint.from_directory(temp_checkpoint_dir)
+                report(metrics, checkpoint=checkpoint)
+            if config.get("kill_all_after_epoch") == state.epoch:  # test hook: every rank dies here at once
+                os.kill(os.getpid(), signal.SIGKILL)
             state.commit()
         return metrics
 
@@ -223,6 +255,7 @@ def train_func_per_worker(config: Dict):
         metrics["world"] = er.size()
         metrics["steps"] = train_sampler.step
         metrics["epochs"] = state.epoch + 1
+        metrics["resumed_epoch"] = resumed_epoch
         sampler = test_dataloader.sampler
         metrics["test_images"] = int(er.allreduce(torch.tensor(float(len(sampler))), op=er.Sum))
         metrics["test_split"] = er.allgather_object((sampler.num_replicas, sampler.rank, er.size(), er.rank()))
@@ -234,23 +267,29 @@ def train_func_per_worker(config: Dict):
     return metrics
 
 
-def train_fashion_mnist(num_workers=2, use_gpu=False, epochs=10, lr=1e-3):
+def train_fashion_mnist(num_workers=2, use_gpu=False, epochs=10, lr=1e-3, storage_path=None, name="fashion_mnist"):
     global_batch_size = 32
 
     train_config = {
         "lr": lr,
         "epochs": epochs,
         "batch_size_per_worker": global_batch_size // num_workers,
+        "checkpoint": storage_path is not None,
     }
 
-    # Initialize an elastic trainer: 1 to num_workers workers
-    trainer = ElasticTrainer(min_workers=1, max_workers=num_workers, use_gpu=use_gpu)
+    # Configure computation resources: 1 to num_workers workers (elastic)
+    scaling_config = ScalingConfig(num_workers=(1, num_workers), use_gpu=use_gpu)
+    # Checkpoints go to storage_path/name; a rerun with the same ones resumes
+    run_config = RunConfig(storage_path=storage_path, name=name) if storage_path else None
+
+    # Initialize an elastic trainer
+    trainer = ElasticTrainer(scaling_config=scaling_config, run_config=run_config)
 
     # [4] Start Distributed Training
     # Run `train_func_per_worker` on all workers
     # =============================================
     result = trainer.run(train_func_per_worker, train_config)
-    print(f"Training result: {result.value}")
+    print(f"Training result: {result.metrics}")
     return result
 
 
@@ -259,9 +298,11 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--storage-path", default=None, help="absolute path or URL for checkpoints (resume)")
     args = parser.parse_args()
     import ray
 
     ray.init(num_cpus=max(4, args.workers), include_dashboard=False)
-    outcome = train_fashion_mnist(num_workers=args.workers, use_gpu=False, epochs=args.epochs, lr=args.lr)
+    outcome = train_fashion_mnist(num_workers=args.workers, use_gpu=False, epochs=args.epochs, lr=args.lr,
+                                  storage_path=args.storage_path)
     sys.exit(0 if outcome.completed else 75)

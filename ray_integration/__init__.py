@@ -35,7 +35,19 @@ del _shadowing
 from .config import TrainerConfig
 from .driver import RunFailed
 from .events import Event
-from .trainer import ElasticTrainer, Result
+from .result import Result
+from .train_api import TrainContext, get_checkpoint, get_context, load_checkpoint, report
+from .trainer import ElasticTrainer
 from .worker import WorkerError
 
-__all__ = ["ElasticTrainer", "Event", "Result", "RunFailed", "TrainerConfig", "WorkerError"]
+
+def get_dataset_shard(name: str):
+    """Ray Train's ``get_dataset_shard(name)``: this worker's part of ``ElasticTrainer(datasets={name: ...})``
+    (see :mod:`ray_integration.data`)."""
+    from .data import get_dataset_shard as shard
+
+    return shard(name)
+
+
+__all__ = ["ElasticTrainer", "Event", "Result", "RunFailed", "TrainContext", "TrainerConfig", "WorkerError",
+           "get_checkpoint", "get_context", "get_dataset_shard", "load_checkpoint", "report"]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ring.core.constants import COLLECTIVE_TIMEOUT_S
 from elastic_ring.core.spec import NCCL_REFORMS
-from elastic_ring.core.validation import check_bool, check_int, check_number, is_number
+from elastic_ring.core.validation import check_bool, check_int, check_number, is_int, is_number
 
 from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
 
@@ -98,7 +99,8 @@ class TrainerConfig:
         if self.nccl_reform != "init" and not self.use_gpu:
             raise ValueError(f"ElasticTrainer nccl_reform={self.nccl_reform!r} re-forms NCCL communicators, which only "
                              "a GPU job has: set use_gpu=True, or drop nccl_reform (gloo re-forms in milliseconds)")
-        check_int(_OWNER, "max_failures", self.max_failures, minimum=0)
+        if not (is_int(self.max_failures) and self.max_failures == -1):  # -1: unlimited, as Ray Train's
+            check_int(_OWNER, "max_failures", self.max_failures, minimum=0, hint="or -1 for no limit")
         for name in ("failure_window_s", "start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
                      "heartbeat_timeout_s", "collective_timeout_s", "stop_timeout_s"):
             check_number(_OWNER, name, getattr(self, name), unit="seconds")
@@ -173,5 +175,6 @@ class TrainerConfig:
         return Limits(heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
                       collective_timeout_s=self.collective_timeout_s, connect_timeout_s=self.connect_timeout_s,
                       capacity_wait_s=self.elastic_timeout_s, stop_timeout_s=self.stop_timeout_s,
-                      min_workers=self.min_workers, max_workers=self.max_workers, max_failures=self.max_failures,
+                      min_workers=self.min_workers, max_workers=self.max_workers,
+                      max_failures=sys.maxsize if self.max_failures == -1 else self.max_failures,
                       failure_window_s=self.failure_window_s)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{kinds.count('recovered')} recoveries", file=sys.stderr)
         if not result.completed:
             print(f"launch: stopped ({result.stop_reason}) before the script finished; the last commit is "
-                  f"saved{' as ' + str(result.checkpoint) if result.checkpoint else ''}: run it again to resume",
+                  f"saved{' as ' + str(result.checkpoint_uri) if result.checkpoint_uri else ''}: run it again to resume",
                   file=sys.stderr)
             return EXIT_STOPPED
         return 0

@@ -7,7 +7,6 @@ import os
 import queue
 import sys
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
@@ -16,13 +15,17 @@ import elastic_ring as er
 from elastic_ring import shadowing
 from elastic_ring.core.auth import new_secret
 from elastic_ring.core.log import get_logger
-from state import CheckpointConfig, CheckpointLease, CheckpointStore
+from state import CheckpointConfig, CheckpointError, CheckpointLease, CheckpointStore
+from state.reported_checkpoints import ReportedCheckpoints
 
 from .channel import Channel, Inbox
 from .config import TrainerConfig
 from .driver import Driver, Failed, Finished, Stopped
 from .events import Event, EventLog
 from .progress import ProgressDisplay
+from .ray_train_config import merge, translate
+from .result import Result
+from .train_api import as_ray_checkpoint
 from .protocol import DRIVER, Keys
 from .timeline_file import TimelineFile
 from .mailroom import Mailroom, RoundKeys, acknowledge, take_last_messages
@@ -32,30 +35,18 @@ from .worker_pool import WorkerPool
 _log = get_logger(__name__)
 
 
-@dataclass
-class Result:
-    """What :meth:`ElasticTrainer.run` returns: a completed run, or one that was stopped.
+def _check_datasets(datasets: Any) -> dict | None:
+    """``datasets`` as given when it is None or a dict of str -> ray.data.Dataset; TypeError otherwise."""
+    if datasets is None:
+        return None
+    from ray.data import Dataset
 
-    ``completed``: ``fn`` returned on rank 0 of the final ring (``value`` is what it returned).
-    ``stopped``: the run ended because of a stop (SIGTERM to the driver, or :meth:`ElasticTrainer.stop`)
-    before ``fn`` completed; ``stop_reason`` says which. A clean stop ends at a commit, written as a
-    durable checkpoint (``checkpoint``) when ``checkpoint_uri`` is set; a ``forced`` one (a second stop,
-    or the workers not reaching a commit within ``stop_timeout_s``) killed the workers and
-    ``abandoned`` says what training was lost. ``checkpoint_error`` is set when the last durable
-    write (the final flush) failed: ``checkpoint`` is then an older checkpoint.
-    """
-
-    value: Any                                   # what fn returned on rank 0 of the final ring (None if stopped)
-    metrics: list[dict] = field(default_factory=list)   # rank 0's er.report records (with time, round, world size)
-    events: list[Event] = field(default_factory=list)   # membership history
-    checkpoint: str | None = None                # URI of the newest durable checkpoint
-    completed: bool = True                       # fn returned on rank 0
-    stopped: bool = False                        # ended by a stop before fn completed
-    stop_reason: str | None = None               # what asked for the stop ("SIGTERM", stop()'s reason), if any
-    forced: bool = False                         # the stop was abandoned: the workers were killed, not at a commit
-    abandoned: str | None = None                 # for a forced stop: which training was lost (and how to resume)
-    checkpoint_error: str | None = None          # the final checkpoint flush failed: why
-    message: str | None = None                   # the line printed to stderr for a stopped run
+    if not isinstance(datasets, dict) or not all(isinstance(k, str) and k and isinstance(v, Dataset)
+                                                 for k, v in datasets.items()):
+        shown = {k: type(v).__name__ for k, v in datasets.items()} if isinstance(datasets, dict) else type(datasets).__name__
+        raise TypeError(f"ElasticTrainer datasets={shown} must be a dict of name -> ray.data.Dataset, e.g. "
+                        "{'train': ray.data.read_parquet(...)}; read them in fn with get_dataset_shard(name)")
+    return dict(datasets)
 
 
 def _said(reason: str) -> str:
@@ -64,8 +55,17 @@ def _said(reason: str) -> str:
 
 
 class ElasticTrainer:
-    def __init__(self, **options: Any) -> None:
+    """``ElasticTrainer(**options)``: the options of :class:`TrainerConfig`, and Ray Train's configs beside them:
+    ``scaling_config=ray.train.ScalingConfig(...)``, ``run_config=ray.train.RunConfig(...)`` (translated by
+    :mod:`.ray_train_config`; an option given both ways with two values is an error), ``datasets={name: ds}``
+    (Ray Data datasets, read in the workers with ``get_dataset_shard(name)``)."""
+
+    def __init__(self, *, scaling_config: Any = None, run_config: Any = None, datasets: dict | None = None,
+                 **options: Any) -> None:
+        if scaling_config is not None or run_config is not None:
+            options = merge(options, translate(scaling_config, run_config))
         self.config = TrainerConfig(**options)
+        self.datasets = _check_datasets(datasets)
         self._stops = StopControl()
 
     def stop(self, reason: str = "stop() called") -> None:
@@ -105,6 +105,24 @@ class ElasticTrainer:
             return None
         return CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
 
+    def _result_checkpoint(self, state_uri: str | None) -> Any:
+        """Result.checkpoint: the newest reported checkpoint at the location whose files are all there with their
+        sizes, else the state checkpoint ``state_uri``, as a ``ray.train.Checkpoint``; None without either."""
+        if self.config.checkpoint_uri is None:
+            return None
+        try:
+            reported = ReportedCheckpoints(self.config.checkpoint_uri)
+            for seq in reversed(reported.complete()):
+                try:
+                    reported.check_sizes(seq)
+                except CheckpointError as exc:
+                    _log.warning("%s; Result.checkpoint is an older one", exc)
+                    continue
+                return as_ray_checkpoint(reported.files_url(seq))
+        except OSError as exc:  # the location cannot be listed now: the state checkpoint's URI is known anyway
+            _log.warning("cannot list the reported checkpoints at %s: %s", self.config.checkpoint_uri, exc)
+        return as_ray_checkpoint(state_uri) if state_uri else None
+
     def run(self, fn: Callable[[dict], Any], config: dict | None = None,
             on_report: Callable[[dict], None] | None = None, on_event: Callable[[Event], None] | None = None) -> Result:
         """Run ``fn(config)`` on every worker until rank 0 of the final ring returns, or until a stop.
@@ -136,7 +154,9 @@ class ElasticTrainer:
     def _stopped_before_start(self, reason: str) -> Result:
         message = f"elastic_ring: {_said(reason)} before run() started: nothing ran"
         print(message, file=sys.stderr, flush=True)
-        return Result(value=None, checkpoint=self._newest_checkpoint(), completed=False, stopped=True,
+        newest = self._newest_checkpoint()
+        return Result(value=None, checkpoint_uri=newest, checkpoint=self._result_checkpoint(newest),
+                      path=self.config.checkpoint_uri, completed=False, stopped=True,
                       stop_reason=reason, message=message)
 
     def _run(self, fn: Callable[[dict], Any], config: dict | None, on_report: Callable[[dict], None] | None,
@@ -172,6 +192,11 @@ class ElasticTrainer:
                         "flush_timeout_s": self.config.stop_timeout_s, "checkpoint": self._checkpoint_config(keys.job),
                         "use_gpu": self.config.use_gpu, "timeline": timeline is not None,
                         "tune_allocator": self.config.tune_allocator}
+            if self.datasets:  # materialized once; kept alive by this frame (and so the blocks) until the run ends
+                from .data import prepare_datasets
+
+                settings["datasets"] = prepared = prepare_datasets(self.datasets)
+                cleanup.callback(lambda: prepared)
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
             pool.receive = receive  # its forged-message count names tampering in the driver's errors
             driver = Driver(self.config, pool, host, events, wakeups)
@@ -233,7 +258,8 @@ class ElasticTrainer:
             checkpoint = written[-1] if written else self._newest_checkpoint()
         else:  # the store first: a stop's final write is the newest, whether or not its event arrived
             checkpoint = self._newest_checkpoint() or (written[-1] if written else None)
-        common = dict(metrics=mailroom.metrics, events=list(events.events), checkpoint=checkpoint,
+        common = dict(metrics_history=mailroom.metrics, events=list(events.events), checkpoint_uri=checkpoint,
+                      checkpoint=self._result_checkpoint(checkpoint), path=self.config.checkpoint_uri,
                       stop_reason=stop_reason, checkpoint_error=checkpoint_error)
         if isinstance(final, Finished):
             if checkpoint_error is not None:

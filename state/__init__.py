@@ -37,6 +37,7 @@ from .checkpoint_lease import CheckpointLease
 from .checkpoint_policy import CheckpointConfig, check_checkpoint_uri
 from .checkpoint_store import CheckpointStore
 from .checkpoint_writer import flush_checkpoints, set_checkpoint_listener
+from .reported_checkpoints import ReportedCheckpoints
 from .membership import (
     TrainingStopped, clear_membership_change, membership_change_requested, request_membership_change, request_stop,
 )
@@ -46,7 +47,7 @@ from .torch_state import ObjectState, TorchState
 
 __all__ = [
     "CheckpointConfig", "CheckpointCorrupt", "CheckpointError", "CheckpointLeaseLost", "CheckpointLease", "CheckpointRefused",
-    "CheckpointStore", "ElasticSampler", "ObjectState", "State", "TorchState", "TrainingStopped",
+    "CheckpointStore", "ElasticSampler", "ObjectState", "ReportedCheckpoints", "State", "TorchState", "TrainingStopped",
     "check_checkpoint_uri", "clear_membership_change", "flush_checkpoints", "membership_change_requested",
     "request_membership_change", "request_stop", "set_checkpoint_listener", "set_default_checkpointing",
     "set_resume_listener",

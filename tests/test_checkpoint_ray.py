@@ -28,7 +28,7 @@ def test_a_second_live_job_on_the_same_location_is_refused_within_seconds(ray_se
     assert "error" not in box, box.get("error")
     result = box["result"]
     written = [e for e in result.events if e.kind == "checkpoint_written"]
-    assert written and result.checkpoint == written[-1].detail["uri"], (written, result.checkpoint)
+    assert written and result.checkpoint_uri == written[-1].detail["uri"], (written, result.checkpoint_uri)
     assert all(e.detail["worker"] and e.detail["seq"] >= 1 for e in written)
 
 

@@ -40,7 +40,7 @@ def test_a_kill_after_the_step_redoes_nothing_and_the_replacement_joins_at_the_n
     assert result.value["seen"] == [float(epochs)] * samples, "every sample exactly once per epoch"
     kinds = [e.kind for e in result.events]
     assert kinds[:4] == ["ring_formed", "worker_lost", "ring_formed", "recovered"], kinds
-    steps = [m for m in result.metrics if "position" in m]  # rank 0's reports, one per applied step
+    steps = [m for m in result.metrics_history if "position" in m]  # rank 0's reports, one per applied step
     # 0 steps redone: the victim was killed after applying step 6, so had every survivor applied it too,
     # and the ring after the failure trains step 7 first (a report follows the loss allreduce, so step 6
     # itself was never reported: the survivors' allreduce of its loss is what failed)

@@ -7,18 +7,23 @@ join mid-epoch (commits are only at epoch ends); ``len(train_loader)`` is consta
 ring; every training sample is used exactly once per epoch (counted exactly: a parameter whose
 gradient is the batch's one-hot hits moves only with the optimizer's applied steps); every rank ends
 with identical parameters; the held-out accuracy is above chance; a torch ``DistributedSampler`` test
-split matches the final ring.
+split matches the final ring. The Ray Train port reports a checkpoint every epoch (``report(metrics,
+checkpoint=...)``) and resumes from ``get_checkpoint()`` after every worker was killed.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
+import torch
+from ray.train import RunConfig, ScalingConfig
 
 from examples import horovod_elastic_mnist, ray_train_fashion_mnist
-from ray_integration import ElasticTrainer
+from ray_integration import ElasticTrainer, RunFailed, WorkerError, load_checkpoint
+from state import ReportedCheckpoints
 
 KILL = (1, 1, 6)  # (round, rank, step): rank 1 of the first ring, right after its 6th optimizer step
 
@@ -33,7 +38,7 @@ def check_events(result):
 
 
 def reports(result):
-    return [m for m in result.metrics if "position" in m]
+    return [m for m in result.metrics_history if "position" in m]
 
 
 def check_join_mid_epoch(result, samples):
@@ -89,14 +94,15 @@ def test_horovod_elastic_mnist_port_survives_a_kill_and_a_join(ray_session):
     assert value["test_accuracy"] > 0.5, value  # chance is 0.1
 
 
-def test_ray_train_fashion_mnist_port_survives_a_kill_and_a_join(ray_session):
+def test_ray_train_fashion_mnist_port_survives_a_kill_and_a_join(ray_session, tmp_path):
     started = time.monotonic()
     epochs, train_samples, test_samples = 3, 1536, 384
-    result = ElasticTrainer(min_workers=2, max_workers=3, progress=False).run(
+    result = ElasticTrainer(scaling_config=ScalingConfig(num_workers=(2, 3)),
+                            run_config=RunConfig(storage_path=str(tmp_path), name="fashion"), progress=False).run(
         ray_train_fashion_mnist.train_func_per_worker,
         config={"lr": 1e-3, "epochs": epochs, "batch_size_per_worker": 16, "train_samples": train_samples,
                 "test_samples": test_samples, "log_every": 1, "count_hits": True, "kill": KILL,
-                "step_delay_s": 0.06})
+                "step_delay_s": 0.06, "checkpoint": True})
     wall = time.monotonic() - started
     value = result.value
     print(f"ray train port: rank 0's shard accuracy {value['accuracy']:.4f}, whole test set "
@@ -110,9 +116,39 @@ def test_ray_train_fashion_mnist_port_survives_a_kill_and_a_join(ray_session):
     assert value["identical"], "every rank of the final ring holds identical parameters"
     assert value["epochs"] == epochs
     check_test_split(value, test_samples)  # the loop's DistributedSampler was re-pointed at the new rings
-    epoch_reports = [m for m in result.metrics if "accuracy" in m]
+    epoch_reports = [m for m in result.metrics_history if "accuracy" in m]
     assert len(epoch_reports) >= epochs and all(0.0 <= m["accuracy"] <= 1.0 for m in epoch_reports), epoch_reports
     assert value["ring_accuracy"] > 0.3, value  # chance is 0.1
+    # Ray Train's Result: the last reported record, and the last epoch's reported checkpoint (rank 0's upload)
+    assert result.metrics["epoch"] == epochs - 1 and result.metrics["accuracy"] == epoch_reports[-1]["accuracy"]
+    assert result.path == str(tmp_path / "fashion") and value["resumed_epoch"] is None
+    assert "/fashion/reported/ckpt-" in result.checkpoint.path and result.checkpoint.path.endswith("/files")
+    saved = torch.load(os.path.join(load_checkpoint(result.checkpoint), "checkpoint.pt"))
+    assert saved["epoch"] == epochs - 1 and saved["model"]["hits"].round().tolist() == value["seen"]
+
+
+def test_ray_train_port_resumes_from_get_checkpoint_after_every_worker_is_killed(ray_session, tmp_path):
+    """Every worker is SIGKILLed at once right after epoch 0's report (its checkpoint written by rank 0): the
+    run fails. The same script at the same storage path resumes from get_checkpoint() at epoch 1 and trains
+    each remaining sample once per epoch."""
+    epochs, train_samples = 3, 768
+    options = dict(scaling_config=ScalingConfig(num_workers=2), progress=False,
+                   run_config=RunConfig(storage_path=str(tmp_path), name="fashion"))
+    config = {"lr": 1e-3, "epochs": epochs, "batch_size_per_worker": 16, "train_samples": train_samples,
+              "test_samples": 128, "count_hits": True, "checkpoint": True}
+    with pytest.raises((RunFailed, WorkerError)):
+        ElasticTrainer(**options).run(ray_train_fashion_mnist.train_func_per_worker,
+                                      config={**config, "kill_all_after_epoch": 0})
+    first = ReportedCheckpoints(str(tmp_path / "fashion"))
+    assert first.complete() == [1], first.complete()  # epoch 0's; the run died before it went on
+    result = ElasticTrainer(**options).run(ray_train_fashion_mnist.train_func_per_worker, config=config)
+    value = result.value
+    assert value["resumed_epoch"] == 0, value["resumed_epoch"]
+    assert value["seen"] == [float(epochs)] * train_samples, "each sample once per epoch, across both runs"
+    assert value["steps"] == (epochs - 1) * train_samples // (2 * 16), "only the remaining epochs were trained"
+    assert value["identical"]
+    assert [m["epoch"] for m in result.metrics_history if "accuracy" in m] == [1, 2]
+    assert first.complete() == [1, 2, 3]
 
 
 def test_an_elastic_sampler_built_before_the_ring_is_cut_for_the_ring_at_the_first_sync(ray_session):

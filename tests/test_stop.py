@@ -74,8 +74,8 @@ def test_stop_from_another_thread_returns_a_stopped_result_with_the_checkpoint(r
     from state import CheckpointStore
 
     saved, info = CheckpointStore(str(tmp_path / "ckpt")).load_latest()
-    assert result.checkpoint == info["uri"]  # the stop's final commit, written durably (no cadence write was due)
-    assert saved["step"] == max(r["step"] for r in result.metrics) >= 6
+    assert result.checkpoint_uri == info["uri"]  # the stop's final commit, written durably (no cadence write was due)
+    assert saved["step"] == max(r["step"] for r in result.metrics_history) >= 6
     assert [e.kind for e in result.events if e.kind == "checkpoint_written"], [e.kind for e in result.events]
     err = capfd.readouterr().err
     assert "stop requested (maintenance): training stopped at a commit; the last commit is saved as" in err, err[-2000:]
@@ -96,7 +96,7 @@ def test_a_second_stop_abandons_and_returns_a_forced_result(ray_session, tmp_pat
     assert time.monotonic() - asked < 8
     assert result.stopped and result.forced and not result.completed, result
     assert result.stop_reason == "SIGTERM" and "abandoned" in result.abandoned, result
-    assert "newest durable checkpoint" in result.abandoned and result.checkpoint is not None  # a cadence write
+    assert "newest durable checkpoint" in result.abandoned and result.checkpoint_uri is not None  # a cadence write
     err = capfd.readouterr().err
     assert "elastic_ring: a second SIGTERM: stopping at once; the workers were killed; training since" in err, err[-2000:]
 
@@ -108,7 +108,7 @@ def test_the_workers_not_reaching_a_commit_within_stop_timeout_s_force_the_stop(
     trainer.stop()
     result = run.join(20)
     assert result.stopped and result.forced and result.stop_reason == "stop() called", result
-    assert result.checkpoint is None and "no checkpoint_uri was set" in result.abandoned, result
+    assert result.checkpoint_uri is None and "no checkpoint_uri was set" in result.abandoned, result
     assert "did not reach a commit within stop_timeout_s=2" in result.message
     assert "did not reach a commit within stop_timeout_s=2" in capfd.readouterr().err
 
@@ -152,7 +152,7 @@ def test_a_failed_final_checkpoint_flush_is_the_results_checkpoint_error(tmp_pat
     result = trainer._result(Stopped("SIGTERM"), SimpleNamespace(metrics=[{"step": 4}]), events, "SIGTERM")
     assert result.stopped and not result.completed and not result.forced
     assert result.checkpoint_error == "disk full while writing ckpt-000002"
-    assert result.metrics == [{"step": 4}] and result.checkpoint == "file:///x/ckpt-000001"
+    assert result.metrics_history == [{"step": 4}] and result.checkpoint_uri == "file:///x/ckpt-000001"
     err = capsys.readouterr().err
     assert "SIGTERM received, but the job could not stop cleanly: the final checkpoint failed: disk full" in err, err
     # a checkpoint written after the failed flush (a drained worker's flush failed, the ring's next write did not)

@@ -25,8 +25,8 @@ def test_training_reports_metrics_and_events(ray_session):
     check_invariant(result, 2)
     assert result.value["step"] == 2 * ray_jobs.N_SAMPLES // (2 * 2)
     assert kinds(result) == ["ring_formed", "finished"]
-    assert result.metrics[-1]["step"] == result.value["step"] and result.metrics[-1]["world_size"] == 2
-    assert result.checkpoint is None
+    assert result.metrics["step"] == result.value["step"] and result.metrics["world_size"] == 2
+    assert result.checkpoint is None and result.checkpoint_uri is None and result.path is None
 
 
 def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session, tmp_path):
@@ -106,7 +106,7 @@ def test_a_failed_final_checkpoint_is_recorded_in_the_result_not_a_failed_run(ra
     assert "Permission denied" in result.checkpoint_error
     final = [e for e in result.events if e.kind == "checkpoint_failed" and e.detail.get("final")]
     assert final, kinds(result)
-    assert result.checkpoint is not None            # the newest complete checkpoint, from before
+    assert result.checkpoint_uri is not None        # the newest complete checkpoint, from before
 
 
 def test_user_exception_ends_the_run_with_rank_node_and_traceback(ray_session):
@@ -143,13 +143,13 @@ def test_checkpoint_uri_persists_and_a_second_run_resumes(ray_session, tmp_path)
     uri = str(tmp_path / "ckpt")
     options = dict(min_workers=2, max_workers=2, checkpoint_uri=uri, checkpoint_every_n_commits=4, progress=False)
     first = ElasticTrainer(**options).run(ray_jobs.train, config={"epochs": 2})
-    assert first.checkpoint is not None and first.checkpoint.startswith("file://") and "ckpt-" in first.checkpoint
+    assert first.checkpoint_uri is not None and first.checkpoint_uri.startswith("file://") and "ckpt-" in first.checkpoint_uri
     assert first.value["resumed_from"] is None
     # same script again (e.g. after the cluster was lost): it resumes from the newest checkpoint
     second = ElasticTrainer(**options).run(ray_jobs.train, config={"epochs": 3})
-    assert second.value["resumed_from"]["uri"] == first.checkpoint
+    assert second.value["resumed_from"]["uri"] == first.checkpoint_uri
     resumed = [e for e in second.events if e.kind == "resumed_from_checkpoint"]
-    assert len(resumed) == 1 and resumed[0].detail["uri"] == first.checkpoint and resumed[0].round_id == 1
+    assert len(resumed) == 1 and resumed[0].detail["uri"] == first.checkpoint_uri and resumed[0].round_id == 1
     assert resumed[0].detail["step"] > 0 and resumed[0].detail["epoch"] in (1, 2)
     # epochs 0-1 came from the checkpoint; only epoch 2 was trained now, each sample once more
     check_invariant(second, 3)

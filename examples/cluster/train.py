@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: trainer.stop("SIGTERM"))
     result = trainer.run(train, config={**config, "use_gpu": not args.cpu})
     print(f"result: {result.value}")
-    print(f"newest checkpoint: {result.checkpoint}")
+    print(f"newest checkpoint: {result.checkpoint_uri}")
     for event in result.events:
         print(f"event: {event.kind} round={event.round_id} world={event.world_size}")
     code = exit_code(result)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         how = "forced stop" if result.forced else "stopped"
         print(f"status: {how} ({result.stop_reason}) before training completed; exit {code} so that the job "
-              f"runner retries; the rerun resumes from {result.checkpoint or 'the start (no checkpoint yet)'}")
+              f"runner retries; the rerun resumes from {result.checkpoint_uri or 'the start (no checkpoint yet)'}")
     if result.checkpoint_error is not None:
         print(f"checkpoint error: {result.checkpoint_error}")
     sys.stdout.flush()

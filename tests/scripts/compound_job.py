@@ -78,7 +78,7 @@ result = ElasticTrainer(min_workers=2, max_workers=3, checkpoint_uri=checkpoint_
     invariant_job.train, config=job, on_report=on_report, on_event=on_event)
 if result.stopped:
     print("STOPPED " + json.dumps({"forced": result.forced, "stop_reason": result.stop_reason,
-                                   "checkpoint": result.checkpoint, "checkpoint_error": result.checkpoint_error,
+                                   "checkpoint": result.checkpoint_uri, "checkpoint_error": result.checkpoint_error,
                                    "events": [e.kind for e in result.events]}), flush=True)
     sys.exit(1 if result.forced or result.checkpoint_error is not None else 0)
 print("RESULT " + json.dumps({"exact": result.value["exact"], "identical": result.value["identical"],

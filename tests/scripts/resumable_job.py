@@ -53,11 +53,11 @@ if mode == "thread":
 else:
     result = trainer.run(ray_jobs.train, config=config)
 if result.stopped:
-    steps = [r.get("step") for r in result.metrics]
+    steps = [r.get("step") for r in result.metrics_history]
     print("STOPPED " + json.dumps({"completed": result.completed, "forced": result.forced,
-                                   "stop_reason": result.stop_reason, "checkpoint": result.checkpoint,
+                                   "stop_reason": result.stop_reason, "checkpoint": result.checkpoint_uri,
                                    "checkpoint_error": result.checkpoint_error, "last_step": max(steps, default=None),
-                                   "metrics": len(result.metrics), "events": [e.kind for e in result.events]}),
+                                   "metrics": len(result.metrics_history), "events": [e.kind for e in result.events]}),
           flush=True)
     sys.exit(EXIT_STOPPED)
 resumed = result.value["resumed_from"]
