@@ -40,6 +40,7 @@ from .collectives.handles import (
 )
 from .backends.nccl.communicator import nccl_available
 from .collectives.objects import allgather_object, broadcast_object, broadcast_tree
+from .collectives.join import join
 from .core.ops import Average, Max, Min, Product, ReduceOp, Sum
 from .reduction.optimizer import DistributedOptimizer
 from .core.progress import set_progress
@@ -98,5 +99,5 @@ __all__ = [
     "set_progress", "set_reporter", "shutdown", "size", "timeline",
     "allgather_async", "allreduce_async", "allreduce_async_", "alltoall", "broadcast_async", "broadcast_async_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "poll", "reducescatter",
-    "synchronize", "SyncBatchNorm", "process_sets", "DistributedSamplerInTraining", "allow_epoch_restart",
+    "synchronize", "SyncBatchNorm", "process_sets", "DistributedSamplerInTraining", "allow_epoch_restart", "join",
 ]

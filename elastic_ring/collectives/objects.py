@@ -45,7 +45,9 @@ def _broadcast_object(obj: Any, root_rank: int, name: str | None, timeout_s: flo
             pickled = pickle.dumps(obj)
         except Exception as exc:  # noqa: BLE001 - any pickling error is this rank's argument error
             problem = TypeError(f"broadcast_object: the root's object cannot be pickled: {type(exc).__name__}: {exc}")
-    agree(comm, f"broadcast_object(root={root_rank})", [(name or "object", "pickle")], timeout_s, problem)
+    valid_root = isinstance(root_rank, int) and not isinstance(root_rank, bool) and 0 <= root_rank < comm.size
+    agree(comm, f"broadcast_object(root={root_rank})", [(name or "object", "pickle")], timeout_s, problem,
+          join_plan={"run": "broadcast_bytes", "root": root_rank} if valid_root else None)
     if comm.size == 1:
         return obj
     label = f"{comm.payload_name('broadcast_object')}/from{root_rank}"

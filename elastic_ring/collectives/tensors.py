@@ -6,14 +6,17 @@ Every function here:
    names, dtypes and shapes (:mod:`elastic_ring.reduction.signature`), raising
    :class:`TensorMismatchError` on every rank otherwise;
 2. validates its arguments before that check without raising, and folds
-   "my arguments are invalid" into the check as a flag (:func:`agree`): a bad
+   "my arguments are invalid" into the check as a flag (:func:`~elastic_ring.collectives.agreement.agree`): a bad
    argument on *one* rank (a 0-dim tensor, bad ``splits``, an unpicklable
    object) makes every rank raise, with a message naming the rank and its
    problem, and the ring stays usable, instead of leaving its peers waiting in
    the collective until they time out;
 3. runs with a timeout (``timeout_s``, default: the ring's
    ``collective_timeout_s``); a lost peer or a timeout raises
-   :class:`CommError` on every survivor.
+   :class:`CommError` on every survivor;
+4. gives its check a *join plan* (what data path follows), so that a rank
+   waiting in ``join()`` mirrors it with neutral data
+   (:mod:`elastic_ring.collectives.join`).
 
 Grouped collectives fuse their tensors into buffers of at most
 ``fusion_threshold_bytes`` (see :mod:`elastic_ring.reduction.fusion`), launch each
@@ -28,19 +31,17 @@ reuse fusion buffers from a bounded pool that belongs to the current ring
 
 from __future__ import annotations
 
-import json
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..backends.base import Communicator
-from ..backends.byte_collectives import allgather_bytes
 from ..core.constants import FUSION_POOL_MAX_BYTES, FUSION_THRESHOLD_BYTES
-from ..core.errors import TensorMismatchError
 from ..core.ops import Average, ReduceOp
 from ..reduction import fusion
 from ..reduction.compression import Compression, Compressor, check_compressor
-from ..reduction.signature import describe, start_check, verify_same
+from ..reduction.signature import NOTHING_MORE, describe, start_check, verify_same
+from .agreement import agree, dtype_name, layout_of, loose_entries, refuse  # noqa: F401 - their old home
 from ..ring import process_sets, runtime
 
 #: Fusion buffers of the in-place collectives, reused across calls of one ring.
@@ -81,74 +82,6 @@ def _check_reducible(tensors: Sequence[torch.Tensor], names: Sequence[str], op: 
     for t, n in zip(tensors, names):
         if t.dtype not in _REDUCIBLE and t.dtype not in _WIDER:
             raise ValueError(f"cannot allreduce tensor {n!r} of dtype {t.dtype}; cast it to a float or int dtype")
-
-
-def loose_entries(tensors: Any, label: str) -> list[tuple[str, str]]:
-    """A signature of what a rank passed when its arguments are invalid (it may not even be tensors)."""
-    if isinstance(tensors, torch.Tensor):
-        return [(label, describe(tensors))]
-    if isinstance(tensors, (list, tuple)):
-        return [(f"{label}.{i}", describe(t) if isinstance(t, torch.Tensor) else f"<{type(t).__name__}>")
-                for i, t in enumerate(tensors)]
-    return [(label, f"<{type(tensors).__name__}>")]
-
-
-#: Longest problem text a rank sends its peers.
-_PROBLEM_CHARS = 500
-
-
-def agree(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None,
-          problem: BaseException | None, values: Sequence[int] = ()) -> list[int]:
-    """The signature check of a collective, with "this rank's arguments are invalid" folded into it.
-
-    ``problem`` is the error this rank found in its own arguments before the check (None: they are valid).
-    Every rank makes the check, in which a rank with a problem describes its call as ``kind`` "with invalid
-    arguments (the problem)". The other ranks, which made a valid call, therefore see a signature mismatch
-    and raise :class:`TensorMismatchError`, whose message names that rank and its problem; the rank with the
-    problem raises its own error (from the mismatch). When every rank had the very same problem, the check
-    agrees and its flag says so: all ranks swap their problems (plain text) and raise (each its own error,
-    or a ``ValueError`` naming the ranks that had one). Nothing else is sent, so the ring stays usable.
-    Returns the maxima over ranks of ``values`` (at most three), as
-    :func:`~elastic_ring.reduction.signature.start_check`.
-    """
-    flag = 0 if problem is None else 1
-    if problem is not None:  # what the peers' mismatch message shows for this rank, when they made a valid call
-        kind = f"{kind} with invalid arguments ({type(problem).__name__}: {problem})"[:_PROBLEM_CHARS]
-    try:
-        got = start_check(comm, kind, entries, timeout_s, [flag, *values]).finish()
-    except TensorMismatchError as mismatch:
-        if problem is not None:
-            raise problem from mismatch
-        raise
-    if got[0]:
-        reported = _swap_problems(comm, problem, timeout_s)
-        if problem is not None:
-            raise problem
-        raise ValueError(f"{kind}: {reported}; every rank raises (the collective did not run, the ring stays usable)")
-    return got[1:]
-
-
-def refuse(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None,
-           problem: BaseException) -> NoReturn:
-    """:func:`agree` for a rank whose arguments are invalid: the check, then every rank raises."""
-    agree(comm, kind, entries, timeout_s, problem)
-    raise problem  # agree() raised already: a problem is always reported
-
-
-def _swap_problems(comm: Communicator, problem: BaseException | None, timeout_s: float | None) -> str:
-    """Every rank's problem text (as JSON: nothing is unpickled); what the ranks that had one reported."""
-    if comm.size == 1:
-        return f"rank 0: {type(problem).__name__}: {problem}"
-    mine = None if problem is None else f"{type(problem).__name__}: {problem}"[:_PROBLEM_CHARS]
-    texts = []
-    for rank, data in enumerate(allgather_bytes(comm, json.dumps(mine).encode(), timeout_s)):
-        try:
-            text = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            text = "(unreadable)"
-        if text is not None:
-            texts.append(f"rank {rank} passed invalid arguments ({str(text)[:_PROBLEM_CHARS]})")
-    return "; ".join(texts) or "a rank passed invalid arguments"
 
 
 def _fused_allreduce(
@@ -250,7 +183,8 @@ def _checked_allreduce(tensors, op, name, compression, threshold, timeout_s, inp
     except (TypeError, ValueError) as exc:
         refuse(comm, kind, loose_entries(tensors, kind), timeout_s, exc)
     agree(comm, f"{kind}(op={op.value}, compression={compressor.name})",
-          [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s, None)
+          [(n, describe(t)) for n, t in zip(names, tensors)], timeout_s, None,
+          join_plan=lambda: allreduce_plan(tensors, op, compressor, threshold))
     _check_reducible(tensors, names, op)
     if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out = list(_AllreduceGrad.apply(comm, op, compressor, threshold, timeout_s, *tensors))
@@ -260,6 +194,17 @@ def _checked_allreduce(tensors, op, name, compression, threshold, timeout_s, inp
             return _launch_fused(comm, list(tensors), op, compressor, threshold, timeout_s, inplace, pooled=False)
         out = _reduce(comm, list(tensors), op, compressor, threshold, timeout_s, inplace)
     return Pending([], lambda: out)
+
+
+def allreduce_plan(tensors: Sequence[torch.Tensor], op: ReduceOp, compressor: Compressor, threshold: int) -> Any:
+    """What a joined rank mirrors for this allreduce (None: it cannot: a dtype no backend reduces, a compressor
+    of the user's own)."""
+    if any(t.dtype not in _REDUCIBLE and t.dtype not in _WIDER for t in tensors):
+        return None
+    if getattr(Compression, compressor.name, None) is not compressor:
+        return None
+    return {"run": "allreduce", "op": op.value, "compression": compressor.name, "threshold": threshold,
+            "tensors": layout_of(tensors)}
 
 
 def _reduce(comm, tensors, op, compressor, threshold, timeout_s, inplace) -> list[torch.Tensor]:
@@ -382,15 +327,23 @@ def grouped_broadcast_(
         names = _names(tensors, name, "broadcast")
     except (TypeError, ValueError) as exc:
         refuse(comm, f"grouped_broadcast_(root={root_rank})", loose_entries(tensors, "broadcast"), timeout_s, exc)
+    threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
+    valid_root = isinstance(root_rank, int) and not isinstance(root_rank, bool) and 0 <= root_rank < comm.size
     agree(comm, f"grouped_broadcast_(root={root_rank})", [(n, describe(t)) for n, t in zip(names, tensors)],
-          timeout_s, None)
-    if not isinstance(root_rank, int) or not 0 <= root_rank < comm.size:
+          timeout_s, None, join_plan=lambda: {"run": "broadcast", "root": root_rank, "threshold": threshold,
+                                              "tensors": layout_of(tensors)} if valid_root else None)
+    if not valid_root:
         raise ValueError(f"root_rank={root_rank!r} is not a rank of this ring (world size {comm.size})")
     if comm.size == 1:
         return list(tensors)
+    return broadcast_data(comm, tensors, root_rank, threshold, timeout_s)
+
+
+def broadcast_data(comm: Communicator, tensors: Sequence[torch.Tensor], root_rank: int, threshold: int,
+                   timeout_s: float | None) -> list[torch.Tensor]:
+    """The broadcast's data path, after its check: fused by dtype, in place."""
     staged = [t if t.is_contiguous() or t.dtype in _REDUCIBLE else t.contiguous() for t in tensors]
     wires = [_as_wire(t) for t in staged]
-    threshold = FUSION_THRESHOLD_BYTES if fusion_threshold_bytes is None else fusion_threshold_bytes
     buckets = fusion.plan_buckets(fusion.metas_of(wires), threshold, Compression.none)
     in_flight = []
     for slot, bucket in enumerate(buckets):
@@ -482,7 +435,8 @@ def _allgather(tensor: torch.Tensor, name: str | None, timeout_s: float | None) 
     elif tensor.dim() == 0:
         problem = ValueError(f"allgather of {label!r} needs a tensor with at least one dimension; use tensor.view(1)")
     entries = loose_entries(tensor, label) if problem is not None else [(label, describe(tensor, ignore_first_dim=True))]
-    agree(comm, "allgather", entries, timeout_s, problem)
+    agree(comm, "allgather", entries, timeout_s, problem,
+          join_plan=lambda: {"run": "allgather", "dtype": dtype_name(tensor.dtype), "rest": list(tensor.shape[1:])})
     if comm.size == 1:
         return tensor.detach().clone()
     return gather_rows(comm, tensor, None, timeout_s)
@@ -517,7 +471,7 @@ def gather_rows(comm: Communicator, tensor: torch.Tensor, sizes: list[int] | Non
 def barrier(timeout_s: float | None = None) -> None:
     """Return once every rank has entered the barrier."""
     comm = process_sets.current()
-    verify_same(comm, "barrier", [], timeout_s)
+    verify_same(comm, "barrier", [], timeout_s, join_plan=NOTHING_MORE)
 
     # The signature check is an allreduce that needs every rank: it is the barrier.
 
@@ -527,4 +481,4 @@ def agree_max(kind: str, values: Sequence[int], timeout_s: float | None = None) 
     same ``kind`` of call, and return the maximum over ranks of each of ``values``
     (small non-negative ints, e.g. flags). Raises :class:`TensorMismatchError` on
     every rank if some rank is making another call."""
-    return start_check(process_sets.current(), kind, [], timeout_s, values).finish()
+    return start_check(process_sets.current(), kind, [], timeout_s, values, join_plan=NOTHING_MORE).finish()

@@ -46,6 +46,13 @@ contract:
   before the wrapped optimizer applied anything. At world size 1 the hooks
   return at once and nothing is copied.
 * A new ring gets new buckets (and, with autotuning, a new tuning run).
+* ``join()`` (:mod:`elastic_ring.collectives.join`): a rank waiting there answers a step's leading check and
+  mirrors its buckets with zeros (the check's join plan lists them). Once a step's check saw a joined rank,
+  every later step of the ring leads with a check that is read before any bucket goes out (no trailer, no
+  deferral) until a check sees none; so a step is joinable if the ring's steps lead with a check when the
+  rank joins (``strict_checks=True``, or before the ring's first step): :func:`join_blockers` names the
+  optimizers for which they do not. When a join ends, the ranks' step counts differ: they are no longer
+  compared on that ring (:func:`after_join`) until the state layer re-bases them.
 """
 
 from __future__ import annotations
@@ -71,6 +78,22 @@ from .signature import PendingCheck, describe, exchange_message, signature_hash,
 from .verdict import VerdictWaiter
 
 _log = get_logger(__name__)
+
+#: Every live reducer of this process (join() asks them whether a joined rank could answer their steps).
+_live: "weakref.WeakSet[GradReducer]" = weakref.WeakSet()
+
+
+def join_blockers(comm: Communicator) -> list[str]:
+    """Why a rank of ``comm`` that joins now could not answer the next step of this process's optimizers
+    (their steps on ``comm`` ride in the last bucket or are deferred); empty when it could."""
+    return [reducer.join_blocker(comm) for reducer in list(_live) if reducer.join_blocker(comm) is not None]
+
+
+def after_join(comm: Communicator) -> None:
+    """Every rank of ``comm`` returned from join(): their applied-step counts differ now; stop comparing them
+    on this ring (a sync or restore re-bases them), and check the next step before its buckets."""
+    for reducer in list(_live):
+        reducer.joined_on(comm)
 
 
 class GradReducer:
@@ -103,6 +126,7 @@ class GradReducer:
         self._autotune = autotune
         self._strict = strict_checks
         self._agreed_digest: int | None = None  # the plan a leading check of this ring agreed on
+        self._join_active = False  # this ring's last check saw a joined rank: every step leads with a check
         self._check_digest: int | None = None  # the plan the check in flight asks about
         self._world = 1
         self._tuner: Autotuner | None = None
@@ -139,6 +163,7 @@ class GradReducer:
         self._use_plan(bucket_bytes)
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        _live.add(self)
 
     # ------------------------------------------------------------ plan and state
     def _plan(self, bucket_bytes: int) -> list[fusion.Bucket]:
@@ -196,6 +221,22 @@ class GradReducer:
         self._armed_ref = weakref.ref(comm) if comm is not None else None
         if comm is not None and self._comm_ref is not None and self._comm_ref() is comm:
             self._step_armed = True
+
+    def join_blocker(self, comm: Communicator) -> str | None:
+        """Why a rank that joins ``comm`` now could not answer this optimizer's next step (None: it could)."""
+        if self._strict or self._join_active or self._comm_ref is None or self._comm_ref() is not comm:
+            return None
+        lean = self._agreed_digest == self._digest and (self._tuner is None or self._tuner.done) and self._trailer_fits()
+        if not lean and not self._deferred(comm):
+            return None  # its next step leads with a check that is read before any bucket goes out
+        return (f"this process has a DistributedOptimizer (strict_checks=False, {len(self._params)} parameters) "
+                f"that stepped on this ring")
+
+    def joined_on(self, comm: Communicator) -> None:
+        """A join ended on ``comm`` (see :func:`after_join`)."""
+        if self._comm_ref is not None and self._comm_ref() is comm:
+            self._step_armed = False
+            self._join_active = True
 
     def remove_hooks(self) -> None:
         for handle in self._hooks + self._pre_hooks:
@@ -318,6 +359,7 @@ class GradReducer:
         comm.before_check.append(weakref.WeakMethod(self._launch_gated))
         self._world = comm.size
         self._agreed_digest = None  # a new ring's first step is checked before any bucket is sent
+        self._join_active = False
         self._on_cpu = comm.device.type == "cpu"
         self._ring_steps = 0
         self._last_step_end = None
@@ -333,16 +375,19 @@ class GradReducer:
         self._use_plan(size)
         self._reset()
 
+    def _trailer_fits(self) -> bool:
+        """Whether the last bucket's wire buffer has room for the step trailer (its size, every step)."""
+        return (self._op in (ReduceOp.AVERAGE, ReduceOp.SUM) and not self._strict and bool(self.buckets)
+                and step_trailer.supports(self.buckets[-1].wire_dtype, self._world))
+
     def _layout_for_step(self) -> GradLayout:
         if self._layout is None:
-            fits = (self._op in (ReduceOp.AVERAGE, ReduceOp.SUM) and not self._strict and bool(self.buckets)
-                    and step_trailer.supports(self.buckets[-1].wire_dtype, self._world))
-            self._layout = GradLayout(self._params, self.buckets, step_trailer.SLOTS if fits else 0)
+            self._layout = GradLayout(self._params, self.buckets, step_trailer.SLOTS if self._trailer_fits() else 0)
         return self._layout
 
     def _deferred(self, comm: Communicator) -> bool:
         """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
-        if self._ring_steps == 0 or self._strict:
+        if self._ring_steps == 0 or self._strict or self._join_active:
             return False  # a ring's first step checks first: different models fail with a full message
         return not self._on_cpu or self.defer_check_on_cpu
 
@@ -350,7 +395,7 @@ class GradReducer:
         """Whether this step's agreement rides in its last bucket instead of a leading check: after a leading
         check of this ring agreed on the current plan, once autotuning is done, unless ``strict_checks``, and
         when the last bucket's wire dtype sums the slots exactly (op Average or Sum). The same on every rank."""
-        return (not self._strict and self._agreed_digest == self._digest
+        return (not self._strict and not self._join_active and self._agreed_digest == self._digest
                 and (self._tuner is None or self._tuner.done) and self._layout_for_step().trailer is not None)
 
     # ------------------------------------------------------------ hooks
@@ -407,8 +452,14 @@ class GradReducer:
         boundary = int(bool(self.boundary_ask is not None and self.boundary_ask()))
         step = self.applied_steps if self._step_armed else None
         self._check_digest = self._digest  # what this check agrees on (the plan cannot change before its answer)
+        buckets, op = self.buckets, ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
+        slots = step_trailer.SLOTS if self._trailer_fits() else 0
         check = start_check(comm, self._kind, self._entries, None, values=[value, boundary], step=step,
-                            digest=self._digest, step_slots=True)
+                            digest=self._digest, step_slots=True,
+                            join_plan=lambda: {"run": "buckets", "op": op.value, "buckets": [
+                                [str(b.wire_dtype).replace("torch.", ""), b.numel + (slots if i == len(buckets) - 1
+                                                                                     else 0)]
+                                for i, b in enumerate(buckets)]})
         if helper:
             self._verdict = VerdictWaiter(check, lambda waiter, values: self._on_verdict(comm, waiter, values),
                                           comm.spec.collective_timeout_s + 10.0)
@@ -433,11 +484,12 @@ class GradReducer:
         with self._lock:
             if self._verdict is not waiter:  # this step was abandoned (a failure, a new ring)
                 return
-            self._accept(values)
+            self._accept(values, waiter.joined)
             self._launch_ready(comm)
 
-    def _accept(self, values: list[int]) -> None:
+    def _accept(self, values: list[int], joined: list[int]) -> None:
         self._verified = True
+        self._join_active = bool(joined)  # while a rank waits in join(), every step leads with a check
         self._agreed_digest = self._check_digest
         self._boundary_seen = bool(values[1])
         if self._tuner is not None:
@@ -465,7 +517,7 @@ class GradReducer:
             self._after_mismatch(comm, check)
             raise
         self.check_wait_s += time.perf_counter() - started
-        self._accept(values)
+        self._accept(values, check.joined)
 
     def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
         """Buckets launched before a deferred verdict may not match the peers' (a different model, an

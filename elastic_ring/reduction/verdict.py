@@ -52,6 +52,11 @@ class VerdictWaiter:
         return self._done.is_set()
 
     @property
+    def joined(self) -> list[int]:
+        """After a yes: the ranks that had joined (they answered with zeros)."""
+        return self._check.joined
+
+    @property
     def same_call(self) -> bool:
         """After a disagreement: whether only the steps differed (the ranks made the same call)."""
         return self._check.same_call

@@ -1,0 +1,292 @@
+"""``er.join()``: Horovod's join for uneven inputs, over real gloo rings of processes.
+
+The cases of Horovod's own join tests (allreduce Sum / Average of two tensors with int and float dtypes, every
+rank joining first in turn, the return value; allgather; a broadcast whose root joined), the neutral elements of
+the other ops, a ``DistributedOptimizer(strict_checks=True)`` loop with uneven batches checked against a
+reference computed here, the lean optimizer refused at ``join()``, and a process set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+import elastic_ring as er
+
+_DTYPES = [torch.int32, torch.int64, torch.float32, torch.float64]
+
+
+def _expected_average(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Every rank but the joined one sent ``t``; the joined one zeros; Average divides by the full size."""
+    total = t * (size - 1)
+    return total.floor_divide(size) if not t.is_floating_point() else total / size
+
+
+def _horovod_join_allreduce():
+    rank, size = er.rank(), er.size()
+    bad, returns = [], []
+    for dtype, dim, first, op in itertools.product(_DTYPES, (1, 2, 3), range(size), ("average", "sum")):
+        torch.manual_seed(1234)
+        a = torch.randint(-100, 100, [5] * dim).to(dtype)  # two tensors: fused in one bucket
+        b = torch.randint(-100, 100, [17] * dim).to(dtype)
+        if rank == first:
+            ret = er.join()
+        else:
+            ha, hb = er.allreduce_async(a, op=op, name="a"), er.allreduce_async(b, op=op, name="b")
+            ra, rb = er.synchronize(ha), er.synchronize(hb)
+            ret = er.join()
+            for got, t in ((ra, a), (rb, b)):
+                want = _expected_average(t, size) if op == "average" else t * (size - 1)
+                if got.dtype != dtype or not torch.equal(got, want):
+                    bad.append((str(dtype), dim, first, op))
+        returns.append((first, ret))
+    every = er.allgather_object(returns)
+    return bad, returns, every
+
+
+def test_join_allreduce_as_horovods_test_every_rank_joining_first(ring):
+    results = ring.run(_horovod_join_allreduce, world_size=3, timeout_s=120)
+    for bad, returns, every in results:
+        assert bad == []
+        assert every == [returns] * 3  # join() returned the same value on every rank
+        for first, ret in returns:
+            assert ret != first and 0 <= ret < 3  # the rank that joined last, never the first
+
+
+def _neutral_elements():
+    rank, size = er.rank(), er.size()
+    out = {}
+    for op, dtype in itertools.product(("min", "max", "product"), (torch.int64, torch.float32, torch.uint8)):
+        if rank == 0:
+            er.join()
+        else:
+            out[(op, str(dtype))] = er.allreduce(torch.tensor([rank + 2, 7 - rank]).to(dtype), op=op).tolist()
+            er.join()
+    # a grouped in-place allreduce with compression, and autograd through an allreduce
+    x = torch.full((4,), float(rank + 1), requires_grad=True)
+    if rank == 0:
+        last = er.join()
+    else:
+        y = er.allreduce(x, op="sum", name="g")
+        y.sum().backward()  # the backward allreduce is answered by the joined rank too
+        out["grad"] = x.grad.tolist()
+        ts = [torch.ones(3) * rank, torch.ones(2, 2, dtype=torch.float64)]
+        er.grouped_allreduce_(ts, op="sum", compression=er.Compression.fp16)
+        out["grouped"] = [t.tolist() for t in ts]
+        last = er.join()
+    out["last"] = last
+    return out
+
+
+def test_joined_rank_contributes_the_neutral_element_of_every_op(ring):
+    results = ring.run(_neutral_elements, world_size=3, timeout_s=60)
+    for rank in (1, 2):
+        out = results[rank]
+        for dtype in ("torch.int64", "torch.float32", "torch.uint8"):
+            assert out[("min", dtype)] == [3, 5]   # ranks 1, 2 sent [3, 6] and [4, 5]; rank 0 nothing
+            assert out[("max", dtype)] == [4, 6]
+            assert out[("product", dtype)] == [12, 30]
+        assert out["grad"] == [2.0] * 4  # backward: the sum of the two upstream gradients of ones
+        assert out["grouped"] == [[3.0] * 3, [[2.0, 2.0], [2.0, 2.0]]]
+    assert [r["last"] for r in results] == [2, 2, 2] or [r["last"] for r in results] == [1, 1, 1]
+
+
+def _allgather_broadcast_barrier():
+    rank = er.rank()
+    out = {}
+    if rank == 0:
+        out["join"] = er.join()
+        return out
+    out["gathered"] = er.allgather(torch.full((rank, 2), float(rank))).tolist()
+    out["bcast"] = er.broadcast(torch.full((3,), float(rank)), root_rank=2).tolist()
+    out["object"] = er.broadcast_object({"from": rank}, root_rank=1)
+    er.barrier()
+    out["agree_max"] = er.agree_max("flags", [rank, 1])
+    try:
+        er.broadcast(torch.zeros(3), root_rank=0)  # its root has joined: an error on every rank that called it
+    except er.TensorMismatchError as exc:
+        out["root_joined"] = str(exc)
+    try:
+        er.reducescatter(torch.ones(4))
+    except er.TensorMismatchError as exc:
+        out["reducescatter"] = str(exc)
+    try:
+        er.allreduce(torch.ones(2 + rank), name="x")  # the others disagree: they raise, the joined rank waits
+    except er.TensorMismatchError as exc:
+        out["mismatch"] = str(exc)
+    out["after"] = er.allreduce(torch.ones(2), op="sum").tolist()  # the ring is still usable
+    out["join"] = er.join()
+    return out
+
+
+def test_allgather_broadcast_barrier_and_errors_with_a_joined_rank(ring):
+    started = time.monotonic()
+    results = ring.run(_allgather_broadcast_barrier, world_size=3, timeout_s=60)
+    assert time.monotonic() - started < 30  # no error waited for a timeout
+    assert [r["join"] for r in results] == [2, 2, 2] or [r["join"] for r in results] == [1, 1, 1]
+    for rank in (1, 2):
+        out = results[rank]
+        assert out["gathered"] == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]  # no rows from the joined rank 0
+        assert out["bcast"] == [2.0] * 3
+        assert out["object"] == {"from": 1}
+        assert out["agree_max"] == [2, 1]
+        assert "root, rank 0, has joined" in out["root_joined"]
+        assert "cannot run while rank 0 have joined" in out["reducescatter"]
+        assert "rank 1:" in out["mismatch"] and "rank 2:" in out["mismatch"]
+        assert out["after"] == [2.0, 2.0]
+
+
+def _horovod_join_broadcast():
+    """Horovod's test: the others broadcast from their own rank while one rank waits in join()."""
+    rank, size = er.rank(), er.size()
+    errors, returns = [], []
+    for first in range(size):
+        if rank == first:
+            ret = er.join()
+        else:
+            try:
+                er.broadcast(torch.ones(17, 17), root_rank=first)
+                errors.append(None)
+            except RuntimeError as exc:  # what Horovod's test catches
+                errors.append(type(exc).__name__)
+            ret = er.join()
+        returns.append(ret)
+    return errors, returns, er.allgather_object(returns)
+
+
+def test_broadcast_from_a_joined_root_raises_on_every_caller_and_join_still_returns(ring):
+    results = ring.run(_horovod_join_broadcast, world_size=2, timeout_s=60)
+    for errors, returns, every in results:
+        assert errors == ["TensorMismatchError"]
+        assert returns == [1, 0] and every == [returns, returns]
+
+
+# ------------------------------------------------------------------ DistributedOptimizer with uneven batches
+_STEPS = (2, 4, 3)  # batches per rank
+
+
+def _batch(rank: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + k)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Linear(3, 1)
+
+
+def _uneven_training(strict: bool):
+    rank = er.rank()
+    model = _model()
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  strict_checks=strict, autotune=False)
+    for k in range(_STEPS[rank]):
+        x, y = _batch(rank, k)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = er.join()
+    er.broadcast_parameters(model.state_dict(), root_rank=last)
+    return last, [p.detach().clone() for p in model.parameters()]
+
+
+def _reference(size: int) -> list[torch.Tensor]:
+    """The same training in one process: at step k, the gradients of the ranks that still have a batch, summed
+    and divided by the full size (a joined rank's zeros count)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in range(max(_STEPS)):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(size):
+            if k < _STEPS[rank]:
+                model.zero_grad()
+                x, y = _batch(rank, k)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                for g, p in zip(grads, model.parameters()):
+                    g += p.grad
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g / size
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_uneven_batches_train_with_a_strict_optimizer_and_join(ring):
+    strict = True
+    results = ring.run(_uneven_training, strict, world_size=3, timeout_s=60)
+    want = _reference(3)
+    assert [last for last, _ in results] == [1, 1, 1]
+    for _, params in results:
+        for got, expected in zip(params, want):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _first_step_of_a_lean_optimizer():
+    """A rank joins before the ring's first step: every step of a lean optimizer then leads with a check."""
+    rank = er.rank()
+    model = _model()
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  autotune=False)
+    steps = 0 if rank == 0 else 3
+    for k in range(steps):
+        x, y = _batch(rank, k)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = er.join()
+    er.broadcast_parameters(model.state_dict(), root_rank=last)
+    # after the join, the ranks' step counts differ; the ring trains on (lean again after one checked step)
+    for k in range(3):
+        x, y = _batch(rank, 10 + k)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_lean_optimizer_joins_when_the_rank_joins_before_the_rings_first_step(ring):
+    results = ring.run(_first_step_of_a_lean_optimizer, world_size=3, timeout_s=60)
+    for params in results[1:]:
+        for got, ref in zip(params, results[0]):
+            assert torch.equal(got, ref)
+
+
+def _lean_then_join():
+    model = _model()
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  autotune=False)
+    for k in range(2):
+        x, y = _batch(er.rank(), k)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    started = time.monotonic()
+    try:
+        er.join()
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_a_lean_optimizer_refuses_join_at_once(ring):
+    for message, seconds in ring.run(_lean_then_join, world_size=2, timeout_s=30):
+        assert message is not None and "strict_checks=True" in message
+        assert seconds < 1.0
+
+
+def _process_set_join():
+    rank = er.rank()
+    if rank == 2:
+        return None
+    with er.process_sets.scope([0, 1]):
+        if rank == 0:
+            return er.join()
+        out = er.allreduce(torch.full((2,), 4.0), op="average").tolist()
+        return out, er.join()
+
+
+def test_join_inside_a_process_set(ring):
+    results = ring.run(_process_set_join, world_size=3, timeout_s=60)
+    assert results == [1, ([2.0, 2.0], 1), None]
