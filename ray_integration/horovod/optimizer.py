@@ -13,8 +13,10 @@ from elastic_ring.reduction.compression import Compression
 from elastic_ring.reduction.optimizer import _DistributedMixin
 
 from .errors import _horovod_errors, _hvd_call
-from .ops import _op
-from .process_sets import global_process_set
+from . import adasum as _adasum
+from . import step_reduced
+from .ops import Adasum, _op
+from .process_sets import ProcessSet, global_process_set
 from .topology import size
 
 
@@ -140,6 +142,17 @@ def _translate_hook_errors(reducer: Any) -> None:
     reducer._hooks = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in params]
 
 
+def _partial_set(process_set: Any) -> bool:
+    """Whether ``process_set`` is a set of fewer ranks than the ring (one naming every rank is the ring)."""
+    if process_set is None or process_set is global_process_set:
+        return False
+    if not isinstance(process_set, ProcessSet):
+        raise ValueError(f"process_set={process_set!r} is not a process set: pass hvd.global_process_set or a "
+                         "registered hvd.ProcessSet(ranks)")
+    members = process_set.ranks
+    return members is None or sorted(members) != list(range(size()))
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
@@ -151,14 +164,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced dense, in the fused buckets, and handed back to
     the wrapped optimizer sparse (``SparseAdam`` works), with ``sparse_as_dense`` either way: ``True`` as
     Horovod's (all dimensions sparse), ``False`` in the gradient's own layout. Horovod moves them by an allgather
-    of indices and values when ``False``; the values are the same."""
-    if process_set is not None and process_set is not global_process_set:
-        members = getattr(process_set, "ranks", None)
-        if members is None or sorted(members) != list(range(size())):
-            raise NotImplementedError(
-                "DistributedOptimizer over a process set is not supported by elastic_ring: its gradient reduction "
-                "runs on the whole ring. Reduce gradients over a set yourself (hvd.grouped_allreduce_ of the "
-                "gradients with process_set=...) and use the plain optimizer")
+    of indices and values when ``False``; the values are the same.
+
+    ``process_set=`` a set smaller than the ring, and ``op=Adasum`` (Horovod's delta optimizer), reduce at the step
+    in this layer (:mod:`.step_reduced`: Horovod's semantics, no overlap with the backward pass)."""
     if gradient_predivide_factor != 1.0:
         raise NotImplementedError("gradient_predivide_factor is not supported by elastic_ring: the average is "
                                   "divided once, while the gradient is copied into its bucket; leave it at 1.0")
@@ -166,6 +175,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise NotImplementedError("num_groups / groups are not supported by elastic_ring: gradients are fused by "
                                   "size and autotuned (fusion_threshold_bytes in elastic_ring.DistributedOptimizer)")
     reduce_op = _op(None, op)
+    partial_set = _partial_set(process_set)
+    if reduce_op == Adasum:
+        if partial_set:
+            raise NotImplementedError("DistributedOptimizer(op=Adasum) over a process set is not supported (nor by "
+                                      "Horovod): use the global set, or op=Average with process_set=")
+        _adasum.check([], size())  # Horovod's power-of-two rule, here at construction (Horovod: at the step)
+        if size() > 1:  # Horovod: one rank steps as the plain optimizer
+            return step_reduced.build(optimizer, named_parameters, step_reduced._AdasumDelta, op=Adasum,
+                                      compression=compression, process_set=global_process_set,
+                                      backward_passes_per_step=backward_passes_per_step)
+        reduce_op = ReduceOp.AVERAGE
+    if partial_set:
+        return step_reduced.build(optimizer, named_parameters, step_reduced._ProcessSetReduced, op=reduce_op,
+                                  compression=compression, process_set=process_set,
+                                  backward_passes_per_step=backward_passes_per_step)
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, _DistributedMixin):
         er.DistributedOptimizer(optimizer, named_parameters)  # raises its TypeError / ValueError
     base = type(optimizer)

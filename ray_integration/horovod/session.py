@@ -28,6 +28,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _Session.shut = False
     for registered in list(_Registry.sets.values()):  # as Horovod's init: the sets given now, nothing older
         remove_process_set(registered)
+    _Registry.next_id = 1  # a fresh table: ids count from 1 again, as after Horovod's init
     if process_sets not in (None, "dynamic"):
         for process_set in process_sets:
             if not isinstance(process_set, ProcessSet) or isinstance(process_set, _GlobalProcessSet):
