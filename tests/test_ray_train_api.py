@@ -1,0 +1,236 @@
+"""Ray Train's names: the configs translated to ElasticTrainer's options, reported checkpoints (written, verified,
+pruned, refused), Result's Ray Train fields, load_checkpoint, and report / get_checkpoint / get_context on Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+import state
+from ray_integration import ElasticTrainer, Result, get_checkpoint, get_context, load_checkpoint, report
+from ray_integration.config import TrainerConfig
+from state import CheckpointError, CheckpointLease, CheckpointRefused, CheckpointStore, ReportedCheckpoints
+
+
+# ---------------------------------------------------------------- configs
+def test_scaling_and_run_config_become_options(tmp_path):
+    trainer = ElasticTrainer(
+        scaling_config=ScalingConfig(num_workers=(2, 4), resources_per_worker={"CPU": 2, "slot": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path), name="job", failure_config=FailureConfig(max_failures=-1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)), progress=False)
+    c = trainer.config
+    assert (c.min_workers, c.max_workers, c.cpus_per_worker, c.resources_per_worker) == (2, 4, 2.0, {"slot": 1})
+    assert c.checkpoint_uri == str(tmp_path / "job") and c.checkpoint_keep_last == 2 and c.max_failures == -1
+    assert c.limits.max_failures > 10**9  # -1: no limit
+    fixed = ElasticTrainer(scaling_config=ScalingConfig(num_workers=3)).config
+    assert (fixed.min_workers, fixed.max_workers, fixed.checkpoint_uri, fixed.max_failures) == (3, 3, None, 10)
+
+
+def test_run_config_defaults_are_not_options(tmp_path):
+    """RunConfig() fills in a generated name, ~/ray_results and FailureConfig(): none of them is a choice."""
+    c = ElasticTrainer(run_config=RunConfig(), max_failures=3).config
+    assert c.checkpoint_uri is None and c.max_failures == 3
+
+
+def test_relative_storage_path_is_made_absolute_on_the_driver(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    c = ElasticTrainer(run_config=RunConfig(storage_path="results", name="run1")).config
+    assert c.checkpoint_uri == str(tmp_path / "results" / "run1")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_workers=4, scaling_config=ScalingConfig(num_workers=(1, 2))),
+     r"ElasticTrainer got max_workers=4 and scaling_config.num_workers=\(1, 2\); give one"),
+    (dict(checkpoint_uri="/tmp/a", run_config=RunConfig(storage_path="/tmp/b", name="n")),
+     r"got checkpoint_uri='/tmp/a' and run_config=RunConfig\(storage_path='/tmp/b', name='n'\); give one"),
+    (dict(max_failures=3, run_config=RunConfig(failure_config=FailureConfig(max_failures=5))),
+     r"got max_failures=3 and run_config.failure_config.max_failures=5"),
+    (dict(run_config=RunConfig(storage_path="/tmp/b")), r"needs a name too .*which Ray generated.*RunConfig\(name="),
+    (dict(scaling_config=ScalingConfig(num_workers=2, placement_strategy="SPREAD")), r"placement_strategy='SPREAD'"),
+    (dict(scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"memory": 10**9})), r"'memory'"),
+    (dict(run_config=RunConfig(name="n", checkpoint_config=CheckpointConfig(checkpoint_score_attribute="acc"))),
+     r"checkpoint_score_attribute='acc' is not supported"),
+    (dict(max_failures=-2), r"max_failures=-2 must be an int >= 0; or -1 for no limit"),
+])
+def test_config_errors_name_the_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ElasticTrainer(**kwargs)
+
+
+def test_the_same_value_both_ways_is_not_a_conflict():
+    assert ElasticTrainer(max_workers=2, min_workers=2, scaling_config=ScalingConfig(num_workers=2)).config.max_workers == 2
+
+
+def test_config_and_datasets_types_are_checked():
+    with pytest.raises(TypeError, match=r"scaling_config=\{'num_workers': 2\} must be a ray.train.ScalingConfig"):
+        ElasticTrainer(scaling_config={"num_workers": 2})
+    with pytest.raises(TypeError, match=r"datasets=\{'train': 'list'\} must be a dict of name -> ray.data.Dataset"):
+        ElasticTrainer(datasets={"train": [1, 2]})
+    with pytest.raises(ValueError, match="max_failures"):
+        TrainerConfig(max_failures=True)
+
+
+# ---------------------------------------------------------------- reported checkpoints
+def write_dir(path, files: dict[str, bytes]) -> str:
+    for rel, data in files.items():
+        target = path / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return str(path)
+
+
+def test_a_reported_checkpoint_is_uploaded_verified_and_pruned(tmp_path):
+    store = ReportedCheckpoints(str(tmp_path / "loc"), keep_last=2, run_id="run-a")
+    for i in range(3):
+        seq, url = store.save(write_dir(tmp_path / f"d{i}", {"model.pt": bytes([i]) * 1000, "sub/meta.json": b"{}"}),
+                              {"epoch": i})
+        assert seq == i + 1 and url.endswith(f"/loc/reported/ckpt-{seq:012d}/files")
+    assert store.complete() == [2, 3]  # keep_last=2
+    manifest = json.loads((tmp_path / "loc/reported/ckpt-000000000003/MANIFEST.json").read_text())
+    assert manifest["run_id"] == "run-a" and manifest["metrics"] == {"epoch": 2}
+    assert sorted(manifest["files"]) == ["model.pt", "sub/meta.json"] and manifest["files"]["model.pt"]["bytes"] == 1000
+    seq, local, _ = store.newest(lambda n: str(tmp_path / f"out{n}"))
+    assert seq == 3 and (tmp_path / "out3/model.pt").read_bytes() == bytes([2]) * 1000
+    assert (tmp_path / "out3/sub/meta.json").read_bytes() == b"{}"
+    assert not any(p.name.startswith("ckpt-") for p in (tmp_path / "loc").iterdir())  # the state's names untouched
+
+
+def test_a_corrupt_reported_checkpoint_falls_back_and_a_torn_one_is_invisible(tmp_path):
+    store = ReportedCheckpoints(str(tmp_path / "loc"), keep_last=5)
+    store.save(write_dir(tmp_path / "a", {"w": b"first"}))
+    store.save(write_dir(tmp_path / "b", {"w": b"second"}))
+    (tmp_path / "loc/reported/ckpt-000000000002/files/w").write_bytes(b"secXnd")  # same size, other bytes
+    (tmp_path / "loc/reported/ckpt-000000000003/files").mkdir(parents=True)  # a write killed before its manifest
+    (tmp_path / "loc/reported/ckpt-000000000003/files/w").write_bytes(b"torn")
+    assert store.complete() == [1, 2]
+    found = store.newest(lambda n: str(tmp_path / f"o{n}"))  # logs the corrupt one, falls back
+    assert found[0] == 1 and (tmp_path / "o1/w").read_bytes() == b"first"
+    assert not (tmp_path / "o2").exists()  # the corrupt download was removed
+    with pytest.raises(CheckpointError, match=r"ckpt-000000000002/files/w is corrupt"):
+        store.download(2, str(tmp_path / "again"))
+
+
+def test_another_runs_lease_refuses_the_write_and_forged_paths_are_refused(tmp_path):
+    loc = str(tmp_path / "loc")
+    lease = CheckpointLease(loc, "other-run", ttl_s=5).acquire()
+    try:
+        with pytest.raises(CheckpointError, match=r"leased by run 'other-run'.*RunConfig\(storage_path=\.\.\., name"):
+            ReportedCheckpoints(loc, run_id="me").save(write_dir(tmp_path / "a", {"w": b"x"}))
+        ReportedCheckpoints(loc, run_id="other-run").save(write_dir(tmp_path / "a", {"w": b"x"}))
+    finally:
+        lease.release()
+    path = tmp_path / "loc/reported/ckpt-000000000001/MANIFEST.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"] = {"../../evil": manifest["files"]["w"]}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="does not describe its files"):
+        ReportedCheckpoints(loc).newest(lambda n: str(tmp_path / f"o{n}"))
+
+
+def test_report_outside_a_run_checks_its_arguments(tmp_path):
+    state.set_default_checkpointing(None)
+    with pytest.raises(TypeError, match="must be a dict of str"):
+        report([1.0])
+    with pytest.raises(ValueError, match=r"\['rank'\]: every record carries"):
+        report({"rank": 1})
+    with pytest.raises(ValueError, match=r"RunConfig\(storage_path=\.\.\., name=\.\.\.\) or checkpoint_uri"):
+        report({"loss": 1.0}, checkpoint=Checkpoint.from_directory(str(tmp_path)))
+    with pytest.raises(TypeError, match="must be a ray.train.Checkpoint"):
+        report({"loss": 1.0}, checkpoint=str(tmp_path))
+    assert get_checkpoint() is None
+
+
+def test_report_then_get_checkpoint_in_one_process(tmp_path):
+    uri = str(tmp_path / "loc")
+    state.set_default_checkpointing(state.CheckpointConfig(uri, every_s=300, keep_last=2))
+    try:
+        assert get_checkpoint() is None
+        report({"loss": 0.5}, checkpoint=Checkpoint.from_directory(write_dir(tmp_path / "a", {"m.pt": b"one"})))
+        first = get_checkpoint()
+        with first.as_directory() as d:
+            assert open(os.path.join(d, "m.pt"), "rb").read() == b"one"
+        assert get_checkpoint().path == first.path  # cached per number
+        report({"loss": 0.4}, checkpoint=Checkpoint.from_directory(write_dir(tmp_path / "b", {"m.pt": b"two"})))
+        second = get_checkpoint()
+        assert second.path != first.path and open(os.path.join(second.path, "m.pt"), "rb").read() == b"two"
+        assert get_context().get_experiment_name() == "loc" and get_context().get_storage_path() == uri
+    finally:
+        state.set_default_checkpointing(None)
+
+
+# ---------------------------------------------------------------- Result and load_checkpoint
+def test_result_metrics_is_the_last_record_and_list_use_warns():
+    history = [{"step": 1, "loss": 0.9}, {"step": 2, "loss": 0.5}]
+    result = Result(value=None, metrics_history=history)
+    assert result.metrics == {"step": 2, "loss": 0.5} and result.metrics["loss"] == 0.5
+    with pytest.warns(DeprecationWarning, match="metrics_history"):
+        assert result.metrics[0] == history[0]
+    with pytest.warns(DeprecationWarning):
+        assert result.metrics[-1:] == history[-1:]
+    frame = result.metrics_dataframe
+    assert list(frame["loss"]) == [0.9, 0.5] and len(frame) == 2
+    assert Result(value=None).metrics == {} and Result(value=None).error is None
+
+
+def test_load_checkpoint_reads_state_and_reported_checkpoints(tmp_path):
+    loc = str(tmp_path / "loc")
+    with pytest.raises(CheckpointError, match="the location does not exist"):
+        load_checkpoint(loc)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = CheckpointStore(loc)
+    with pytest.raises(CheckpointError, match="there is no complete checkpoint at"):
+        load_checkpoint(loc)
+    ReportedCheckpoints(loc).save(write_dir(tmp_path / "a", {"w": b"files"}))
+    assert open(os.path.join(load_checkpoint(loc), "w"), "rb").read() == b"files"  # only reported ones: a dir
+    uri = store.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3})
+    tree = load_checkpoint(loc)  # a state checkpoint exists: its tree
+    assert tree["epoch"] == 3 and torch.equal(tree["model"]["weight"], model.weight.detach())
+    assert "param_groups" in tree["optimizer"]
+    assert load_checkpoint(uri)["epoch"] == 3
+    assert load_checkpoint(Checkpoint(uri.replace("file://", "")))["epoch"] == 3
+    reported = Checkpoint(f"{loc}/reported/ckpt-000000000001/files")
+    assert open(os.path.join(load_checkpoint(reported), "w"), "rb").read() == b"files"
+    manifest = tmp_path / "loc/ckpt-000000000001/MANIFEST.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": "someone-else/1"}))
+    with pytest.raises(CheckpointRefused, match="is not an elastic_ring checkpoint"):
+        load_checkpoint(loc)
+
+
+# ---------------------------------------------------------------- on Ray
+def context_job(config):
+    import elastic_ring as er
+    from ray_integration import get_context, report
+
+    er.size()
+    ctx = get_context()
+    seen = (ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), ctx.get_local_world_size(),
+            ctx.get_node_rank())
+    d = os.path.join(config["tmp"], f"rank{ctx.get_world_rank()}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "who"), "w") as f:
+        f.write(str(ctx.get_world_rank()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report({"loss": 1.0 / (1 + ctx.get_world_rank())}, checkpoint=Checkpoint.from_directory(d))
+    er.allgather_object(None)  # report() does not wait for the other ranks (Ray Train's does)
+    previous = get_checkpoint()
+    return {"context": er.allgather_object(seen), "warned": er.allgather_object([str(w.message) for w in caught]),
+            "got": open(os.path.join(previous.path, "who")).read()}
+
+
+def test_report_get_checkpoint_and_get_context_on_ray(ray_session, tmp_path):
+    result = ElasticTrainer(scaling_config=ScalingConfig(num_workers=2), progress=False,
+                            run_config=RunConfig(storage_path=str(tmp_path), name="ctx")).run(
+        context_job, config={"tmp": str(tmp_path / "dirs")})
+    assert result.value["context"] == [(0, 2, 0, 2, 0), (1, 2, 1, 2, 0)]  # one node: node rank 0 for both
+    assert result.value["warned"][0] == [] and "only rank 0's checkpoint is kept" in result.value["warned"][1][0]
+    assert result.value["got"] == "0"
+    assert result.metrics["loss"] == 1.0 and result.path == str(tmp_path / "ctx")
+    assert open(os.path.join(load_checkpoint(result.checkpoint), "who")).read() == "0"
+    assert result.checkpoint_uri is None  # no state checkpoint was written (nothing committed)
