@@ -20,7 +20,7 @@ HOROVOD_TORCH_NAMES = {
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async",
     "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll", "synchronize", "init",
-    "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
+    "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size", "cross_size", "rank", "local_rank",
     "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
     "ddl_built", "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",

@@ -45,6 +45,7 @@ from .async_ops import (allgather_async, allreduce_async, allreduce_async_, allt
                         broadcast_async_, grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                         grouped_reducescatter_async, poll, reducescatter_async, synchronize)
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Adasum", "Average", "Product", "Compression", "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
@@ -57,5 +58,6 @@ __all__ = [
     "cuda_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allreduce",
     "grouped_allreduce_", "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size",
+    "start_timeline", "stop_timeline",
 ]
 
