@@ -255,12 +255,17 @@ def barrier(process_set: Any = global_process_set) -> None:
         er.barrier()
 
 
+@_hvd_call
 def join(device: int = -1) -> int:
-    """Horovod's ``join`` is not offered: elastic_ring's collectives pair by call order, and the gradient
-    reduction of a step after a ring's first carries its agreement inside its buckets, with no exchange that a
-    rank waiting in ``join()`` could answer with zeros. Give every rank the same number of steps instead (an
-    ``ElasticSampler`` / ``DistributedSampler`` with ``drop_last=True``, or a constant global batch)."""
-    raise NotImplementedError(
-        "hvd.join() is not supported by elastic_ring: give every rank the same number of batches (ElasticSampler or "
-        "DistributedSampler with drop_last=True, or ElasticSampler(global_batch_size=...)) so that no rank runs out "
-        "of data before the others")
+    """Horovod's ``join``: this rank ran out of data. It blocks, taking part in the other ranks' collectives
+    (allreduce with the op's neutral element, zeros for Sum / Average, so ``Average`` still divides by the full
+    size; allgather with no rows; broadcast from a rank that has not joined), until every rank has joined, and
+    returns the rank that joined last, the same on every rank (``elastic_ring.join``). A broadcast whose root
+    joined, reducescatter and alltoall raise on the ranks that call them. Optimizer steps are answered (zero
+    gradients, Average divides by the full size) when they lead with a check
+    (``elastic_ring.DistributedOptimizer(..., strict_checks=True)``); ``hvd.DistributedOptimizer`` carries a
+    step's agreement in its last bucket after the ring's first step, so ``join()`` raises at once once it has
+    stepped. ``device`` is Horovod's device for the zeros: accepted, the ring's device is used."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise ValueError(f"join(device={device!r}): device is a device id (an int, -1 for the CPU)")
+    return er.join()
