@@ -11,11 +11,13 @@ paired by call order (:mod:`elastic_ring.collectives.handles`). Process sets run
 values as in Horovod, and sparse gradients of ``DistributedOptimizer`` are reduced dense and handed
 back sparse. A failed collective raises :class:`HorovodInternalError`, a ``RuntimeError`` (as
 Horovod's) and an :class:`elastic_ring.CommError` (the elastic loop's "roll back and re-form").
-The modules: :mod:`.errors`, :mod:`.topology`, :mod:`.process_sets`, :mod:`.session` (init, shutdown),
-:mod:`.ops` (collectives, sparse, objects, join), :mod:`.async_ops`, :mod:`.optimizer`, :mod:`.elastic`.
-What elastic_ring does not offer is refused with an error that says so and what to use instead,
-never ignored: Adasum, ``join``, ``gradient_predivide_factor``, ``num_groups`` / ``groups`` and a
-``DistributedOptimizer`` over a process set.
+``op=hvd.Adasum`` is Horovod's Adasum (:mod:`.adasum`); ``DistributedOptimizer`` over a process set and with
+``op=Adasum`` reduce at the step in this layer (:mod:`.step_reduced`); ``start_timeline`` / ``stop_timeline``
+write rank 0's timeline (:mod:`.timeline`). The modules: :mod:`.errors`, :mod:`.topology`, :mod:`.process_sets`,
+:mod:`.session` (init, shutdown), :mod:`.ops` (collectives, sparse, objects, join), :mod:`.async_ops`,
+:mod:`.optimizer`, :mod:`.elastic`. What elastic_ring does not offer is refused with an error that says so and
+what to use instead, never ignored: ``join``, ``gradient_predivide_factor``, ``num_groups`` / ``groups``, and (as
+in Horovod) Adasum on a number of ranks that is not a power of two.
 """
 
 from __future__ import annotations
