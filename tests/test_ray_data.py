@@ -140,6 +140,21 @@ def test_batches_come_in_ray_datas_formats():
         s.iter_torch_batches(collate_fn=lambda b: b, dtypes=torch.float32)
 
 
+def test_numpy_batches_gathered_from_cached_columns_equal_the_block_path():
+    prepared = fake_dataset([4, 9, 2, 11])
+    for shuffle in (False, True):
+        numpy_path = [b["x"].tolist() for b in shard(prepared, shuffle=shuffle).iter_batches(batch_size=5)]
+        block_path = [b.column("x").to_pylist()
+                      for b in shard(prepared, shuffle=shuffle).iter_batches(batch_size=5, batch_format="pyarrow")]
+        assert numpy_path == block_path and len(numpy_path) == 26 // 5
+    s = shard(prepared, shuffle=False)
+    first = next(s.iter_torch_batches(batch_size=5))
+    first["x"] += 100  # the batch owns its memory: the cached block is untouched
+    again = shard(prepared, shuffle=False)
+    again._cache = s._cache
+    assert next(again.iter_torch_batches(batch_size=5))["x"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+
 def test_a_rank_past_the_tail_gets_an_empty_batch_with_the_columns():
     s = shard(fake_dataset([2]), rank=2, world=3, batch_size=1)
     batches = list(s.iter_batches(batch_size=1))

@@ -61,6 +61,7 @@ class BlockCache:
     def __init__(self, spans: Sequence[BlockSpan], fetch: Callable[[Any], Any], capacity: int) -> None:
         self._spans, self._fetch, self.capacity = spans, fetch, capacity
         self._blocks: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._numpy: dict[int, dict[str, np.ndarray]] = {}  # cached blocks as numpy columns, converted once
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.fetches = 0  # blocks fetched (or asked for ahead): what the tests and the benchmark read
 
@@ -78,7 +79,8 @@ class BlockCache:
         self._blocks[b] = value
         self.fetches += 1
         while len(self._blocks) > max(self.capacity, keep):
-            self._blocks.popitem(last=False)
+            gone, _ = self._blocks.popitem(last=False)
+            self._numpy.pop(gone, None)
 
     def get(self, b: int, keep: int = 0) -> Any:
         """Block ``b`` (its span's rows), from the cache or fetched now."""
@@ -93,6 +95,14 @@ class BlockCache:
         self._insert(b, value, keep)
         return value
 
+    def numpy(self, b: int, keep: int = 0) -> dict[str, np.ndarray]:
+        """Block ``b`` as a dict of column -> numpy array (converted once while the block stays cached)."""
+        block = self.get(b, keep)
+        arrays = self._numpy.get(b)
+        if arrays is None:
+            arrays = self._numpy[b] = convert.to_batch(block, "numpy")
+        return arrays
+
     def prefetch(self, blocks: Sequence[int], keep: int) -> None:
         """Start fetching the blocks not cached yet in the background."""
         for b in blocks:
@@ -103,6 +113,7 @@ class BlockCache:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._numpy.clear()
 
 
 class ElasticDataShard(ElasticSampler):
@@ -153,6 +164,14 @@ class ElasticDataShard(ElasticSampler):
         cuts = np.flatnonzero(np.diff(blocks)) + 1
         return [(int(b[0]), rows) for b, rows in zip(np.split(blocks, cuts), np.split(local, cuts))]
 
+    @staticmethod
+    def _run(rows: np.ndarray) -> slice | np.ndarray:
+        """Rows of one block as a slice when they are contiguous and ascending, else as they are."""
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first + 1 == len(rows) and (len(rows) == 1 or bool(np.all(np.diff(rows) == 1))):
+            return slice(first, last + 1)
+        return rows
+
     def _block_of_rows(self, indices: Sequence[int], keep: int = 0) -> Any:
         """The rows at global ``indices`` as one block (an empty one keeps the columns)."""
         from ray.data.block import BlockAccessor
@@ -161,36 +180,40 @@ class ElasticDataShard(ElasticSampler):
             return BlockAccessor.for_block(self._cache.get(0, keep)).slice(0, 0, False)
         pieces = []
         for b, rows in self._locate(indices):
-            accessor = BlockAccessor.for_block(self._cache.get(b, keep))
-            first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == len(rows) and (len(rows) == 1 or bool(np.all(np.diff(rows) == 1))):
-                pieces.append(accessor.slice(first, last + 1, False))
-            else:
-                pieces.append(accessor.take(rows.tolist()))
+            accessor, run = BlockAccessor.for_block(self._cache.get(b, keep)), self._run(rows)
+            pieces.append(accessor.slice(run.start, run.stop, False) if isinstance(run, slice)
+                          else accessor.take(run.tolist()))
         return convert.concat_blocks(pieces)
 
-    def _blocks(self, prefetch_batches: int) -> Iterator[Any]:
-        """This rank's remaining batches of the epoch as blocks, fetching the next ``prefetch_batches``' blocks
-        ahead."""
+    def _numpy_rows(self, indices: Sequence[int], keep: int = 0) -> dict[str, np.ndarray]:
+        """The rows at global ``indices`` as fresh numpy columns, gathered from the cached blocks' columns."""
+        if len(indices) == 0:
+            return {k: v[:0].copy() for k, v in self._cache.numpy(0, keep).items()}
+        parts = [(self._cache.numpy(b, keep), self._run(rows)) for b, rows in self._locate(indices)]
+        return {k: np.concatenate([arrays[k][run] for arrays, run in parts]) for k in parts[0][0]}
+
+    def _blocks(self, prefetch_batches: int, numpy: bool) -> Iterator[Any]:
+        """This rank's remaining batches of the epoch as blocks (or numpy columns), fetching the next
+        ``prefetch_batches``' blocks ahead."""
         batches = self._batches()
         window: collections.deque[list[int]] = collections.deque()
         for indices in batches:
             window.append(indices)
             if len(window) <= prefetch_batches:
                 continue
-            yield self._next_block(window)
+            yield self._next(window, numpy)
         while window:
-            yield self._next_block(window)
+            yield self._next(window, numpy)
 
-    def _next_block(self, window: collections.deque) -> Any:
+    def _next(self, window: collections.deque, numpy: bool) -> Any:
         current = window.popleft()
         ahead = sorted({b for indices in window if indices for b, _ in self._locate(indices)})
         need = len({b for b, _ in self._locate(current)}) if current else 1
         keep = need + len(ahead)
-        block = self._block_of_rows(current, keep)
+        rows = self._numpy_rows(current, keep) if numpy else self._block_of_rows(current, keep)
         if ahead:
             self._cache.prefetch(ahead, keep)
-        return block
+        return rows
 
     # ------------------------------------------------------------ Ray Data's iterators
     def _use(self, batch_size: Any, drop_last: Any, local_shuffle_buffer_size: Any, prefetch_batches: Any,
@@ -224,7 +247,9 @@ class ElasticDataShard(ElasticSampler):
         ``"default"``/``"numpy"``), pandas frames (``"pandas"``) or pyarrow tables (``"pyarrow"``)."""
         fmt = convert.check_batch_format(batch_format)
         self._use(batch_size, drop_last, local_shuffle_buffer_size, prefetch_batches, "iter_batches")
-        return (convert.to_batch(block, fmt) for block in self._blocks(prefetch_batches))
+        if fmt == "numpy":
+            return self._blocks(prefetch_batches, numpy=True)
+        return (convert.to_batch(block, fmt) for block in self._blocks(prefetch_batches, numpy=False))
 
     def iter_torch_batches(self, *, batch_size: int | None = DEFAULT_BATCH_SIZE, dtypes: Any = None,
                            device: Any = "auto", collate_fn: Callable | None = None, prefetch_batches: int = 1,
@@ -242,8 +267,8 @@ class ElasticDataShard(ElasticSampler):
 
         def batches() -> Iterator[Any]:
             fmt = convert.collate_input_format(collate_fn) if collate_fn is not None else "numpy"
-            for block in self._blocks(prefetch_batches):
-                batch = convert.to_batch(block, fmt)
+            for rows in self._blocks(prefetch_batches, numpy=fmt == "numpy"):
+                batch = rows if fmt == "numpy" else convert.to_batch(rows, fmt)
                 if collate_fn is not None:
                     yield convert.move(collate_fn(batch), target)
                 else:
