@@ -9,8 +9,9 @@ form a gloo ring, with ``horovod.torch`` bound to ``ray_integration.horovod``
 and Horovod's test helpers (``test/utils/common.py``) on the path; the
 environment says "gloo controller" (``HOROVOD_RANK`` / ``HOROVOD_SIZE``), as
 ``horovodrun --gloo`` would. A test passes when it passes on every rank, is
-unsupported when any rank skipped it or met ``NotImplementedError`` /
-``AttributeError`` on ``hvd`` (a call we refuse or lack), and fails otherwise.
+unsupported when Horovod marks it ``@pytest.mark.skip`` (unittest would run it),
+any rank skipped it or met ``NotImplementedError`` / ``AttributeError`` on
+``hvd`` (a call we refuse or lack), and fails otherwise.
 Fresh processes per test keep a failure (a collective one rank never called)
 from spilling into the next test. It prints one line per test and the totals.
 """
@@ -61,6 +62,9 @@ def _run_test_here(path: str, name: str) -> tuple[str, str]:
     spec = importlib.util.spec_from_file_location("horovod_test_torch", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    for mark in getattr(getattr(module.TorchTests, name), "pytestmark", []):  # Horovod's own @pytest.mark.skip
+        if getattr(mark, "name", None) == "skip":
+            return "unsupported", f"skipped by Horovod: {mark.kwargs.get('reason', '')[:100]}"
     result = unittest.TestResult()
     module.TorchTests(name).run(result)
     if result.skipped:
