@@ -1,397 +1,52 @@
 """A lease on a checkpoint location: one live run per location, taken over when its holder dies.
 
-The lease is a file ``LEASE-<generation>.json`` at the location's root; the highest generation is
-the current one. Its holder (the driver process of a run) rewrites it every ``renew_every_s``
-seconds with a larger ``counter``. A contender never compares clocks across hosts: it reads the
-current generation, then watches it on its own monotonic clock. If the bytes change within the
-holder's ``ttl_s`` the holder is alive and the contender refuses with an error naming the location
-and the run. If nothing changes for ``ttl_s`` (the holder died) or the lease says ``released``,
-the contender takes over by creating the next generation with a conditional create, so that of two
-contenders exactly one wins.
+``CheckpointLease(uri, run_id)`` returns the kind of lease that the location's protocol needs:
 
-Both sides agree on one rule: **a lease is gone after ``ttl_s`` without a successful renewal.** The
-holder times each renewal from the moment it *starts* (never later than the moment a contender can
-see it), retries failed renewals with backoff (``renew_every_s / 10`` doubling up to
-``renew_every_s / 4``), and counts the lease lost once ``ttl_s`` passed since the start of its last
-successful renewal, even while a renewal write is still blocked in slow storage; a contender takes
-over only after watching the file unchanged for at least that long. So a holder never believes it
-holds a lease that a contender may already have taken, and a storage outage shorter than about
-``0.75 * ttl_s`` (the renewal cadence and the retry pause eat the rest) never loses it. The holder
-also loses the lease, at its next renewal, when it finds a newer generation (it was taken over).
-:meth:`CheckpointLease.check` raises :class:`~state.checkpoint_errors.CheckpointLeaseLost`, which
-says which case, for how long, and the last error.
+* a local or network file system (an absolute path, ``file://``): :class:`~state.lease_file.FileLease`,
+  an OS lock (``filelock``, ``flock``) that the kernel releases when the holder process dies, with
+  the holder's record in a file beside it;
+* anything else (``s3://``, ``gs://``, ``memory://``):
+  :class:`~state.lease_object_store.ObjectStoreLease`, generations renewed within ``ttl_s``.
+
+Both have one interface (``state/lease_base.py``): ``acquire``, ``check``, ``renew``, ``release``,
+``held``, ``generation``, ``last_error``, ``failed_renewals`` and the context manager, and both are
+instances of :class:`CheckpointLease`. :func:`read_holder` returns the holder's record (``run_id``,
+``host``, ``pid``, ``released``...) for either kind, from any process.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import socket
-import threading
-import time
-import uuid
 from typing import Any
 
-from elastic_ring.core.log import get_logger
-
-from .checkpoint_errors import CheckpointError, CheckpointLeaseLost, is_transient
-from .checkpoint_errors import describe as _describe
 from .checkpoint_io import Location
-from .checkpoint_policy import backoff_delay, check_checkpoint_uri
+from .checkpoint_policy import check_checkpoint_uri
+from .lease_base import DEFAULT_TTL_S, MAX_TTL_S, LeaseBase, uses_file_lock
+from .lease_file import FileLease, read_record
+from .lease_object_store import ObjectStoreLease, read_current
 
-_log = get_logger(__name__)
-
-LEASE_FORMAT = "elastic_ring.lease/1"
-_LEASE = re.compile(r"^LEASE-(\d{12})\.json$")
-#: The most a contender waits on a holder's declared ttl_s (a bad value must not hang it).
-MAX_TTL_S = 120.0
-#: The default ttl_s (ElasticTrainer's ``lease_ttl_s`` default too).
-DEFAULT_TTL_S = 15.0
-
-
-def _generations(loc: Location) -> list[int]:
-    return sorted(int(m.group(1)) for m in map(_LEASE.match, loc.names()) if m)
-
-
-def _path(loc: Location, generation: int) -> str:
-    return loc.path(f"LEASE-{generation:012d}.json")
-
-
-def _read_raw(loc: Location, generation: int) -> bytes | None:
-    try:
-        return loc.read_bytes(_path(loc, generation), limit=64 << 10)
-    except FileNotFoundError:
-        return None
-
-
-def _parse(raw: bytes | None) -> dict | None:
-    """A lease's content, or None if it is absent or not (yet) a whole lease."""
-    try:
-        info = json.loads(raw) if raw else None
-    except ValueError:
-        return None
-    return info if isinstance(info, dict) and info.get("format") == LEASE_FORMAT else None
+__all__ = ["CheckpointLease", "DEFAULT_TTL_S", "MAX_TTL_S", "read_holder"]
 
 
 def read_holder(loc: Location) -> dict | None:
-    """The current lease's content (``run_id``, ``host``, ``pid``, ``released``...), or None if there is none
-    (or it is being written)."""
-    generations = _generations(loc)
-    return _parse(_read_raw(loc, generations[-1])) if generations else None
+    """The record of the run holding ``loc`` (``run_id``, ``host``, ``pid``, ``released``...), or None
+    if there is none (or it is being written)."""
+    return read_record(loc) if uses_file_lock(loc) else read_current(loc)
 
 
-class CheckpointLease:
-    """Exclusive use of the checkpoint location ``uri`` by the run ``run_id``, held by one process.
+class CheckpointLease(LeaseBase):
+    """Exclusive use of the checkpoint location ``uri`` by the run ``run_id``, held by one process:
+    ``CheckpointLease(uri, run_id, ttl_s=15.0, renew_every_s=ttl_s / 5)`` builds the location's kind.
 
     ``acquire()`` returns once this run holds the lease; it raises :class:`CheckpointError` naming
-    the location and the other run if that run is alive (seen renewing within its ``ttl_s``). The
-    lease then renews itself from a background thread, retrying failures with backoff;
-    :meth:`check` raises :class:`CheckpointLeaseLost` once it is lost (no successful renewal for
-    ``ttl_s``, or taken over by another run). ``release()`` lets the next run take over at once. If
-    the holder dies, a contender takes over after ``ttl_s`` of silence."""
+    the location and the other run if that run is alive. :meth:`check` raises
+    :class:`CheckpointLeaseLost` once the lease is lost; ``release()`` lets the next run take over at
+    once."""
 
-    def __init__(self, uri: str, run_id: str, *, ttl_s: float = DEFAULT_TTL_S, renew_every_s: float | None = None,
-                 poll_s: float | None = None) -> None:
-        self.uri = check_checkpoint_uri(uri, "CheckpointLease uri")
-        if not isinstance(run_id, str) or not re.fullmatch(r"[\w.\-]{1,128}", run_id):
-            raise ValueError(f"CheckpointLease run_id={run_id!r} must be 1-128 letters, digits, '_', '-' or '.' "
-                             "(the job id)")
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0.2 <= ttl_s <= MAX_TTL_S:
-            raise ValueError(f"CheckpointLease ttl_s={ttl_s!r} must be seconds in [0.2, {MAX_TTL_S}] "
-                             "(how long a dead holder blocks the location)")
-        renew = ttl_s / 5 if renew_every_s is None else renew_every_s
-        if isinstance(renew, bool) or not isinstance(renew, (int, float)) or not 0 < renew <= ttl_s / 2:
-            raise ValueError(f"CheckpointLease renew_every_s={renew_every_s!r} must be > 0 and <= ttl_s / 2 "
-                             f"= {ttl_s / 2} (a live holder must be seen renewing within ttl_s)")
-        self.run_id, self.ttl_s, self.renew_every_s = run_id, float(ttl_s), float(renew)
-        self.poll_s = min(0.2, ttl_s / 10) if poll_s is None else float(poll_s)
-        self.loc = Location(self.uri)
-        try:
-            self.loc.makedirs(self.loc.root)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create the checkpoint directory {self.uri}: {exc}") from exc
-        self._token = uuid.uuid4().hex
-        self._generation: int | None = None
-        self._counter = 0
-        self._lock = threading.Lock()   # one lease write at a time (renew, release); held during I/O
-        self._state = threading.Lock()  # the fields below; never held during I/O, so check() never blocks
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lost: CheckpointLeaseLost | None = None
-        self._last_error: BaseException | None = None
-        self._last_renewed = 0.0        # monotonic start of the last successful renewal (or of the acquire)
-        self._failing = 0               # renewals failed since then
-        self._writing_since: float | None = None  # a renewal write in progress started then
-        self.failed_renewals = 0        # every failed renewal of this lease (diagnostics)
+    def __new__(cls, uri: str, run_id: str, **kwargs: Any) -> LeaseBase:  # type: ignore[misc]
+        kind = FileLease if uses_file_lock(Location(check_checkpoint_uri(uri, "CheckpointLease uri"))) \
+            else ObjectStoreLease
+        return kind(uri, run_id, **kwargs)
 
-    # ------------------------------------------------------------ state
-    @property
-    def held(self) -> bool:
-        return self._generation is not None and self._loss() is None
 
-    @property
-    def generation(self) -> int | None:
-        return self._generation
-
-    @property
-    def last_error(self) -> BaseException | None:
-        """The last renewal error seen (kept after later renewals succeed, for diagnostics)."""
-        return self._last_error
-
-    def check(self) -> None:
-        """Raise :class:`CheckpointLeaseLost` if this lease was lost: taken over by another run, or no
-        renewal succeeded for ``ttl_s`` (also when a renewal is still blocked in a slow write). Never blocks."""
-        lost = self._loss()
-        if lost is not None:
-            raise lost
-
-    def _loss(self) -> CheckpointLeaseLost | None:
-        """The loss, deciding it on the clock if ``ttl_s`` passed without a successful renewal."""
-        with self._state:
-            if self._lost is None and self._generation is not None:
-                silent = time.monotonic() - self._last_renewed
-                if silent > self.ttl_s:
-                    self._set_lost(self._expired(silent))
-            return self._lost
-
-    def _set_lost(self, lost: CheckpointLeaseLost) -> CheckpointLeaseLost:
-        """Record the loss (the first one stays); call with ``_state`` held."""
-        if self._lost is None:
-            self._lost = lost
-            _log.error("%s", lost)
-        return self._lost
-
-    def _expired(self, silent: float) -> CheckpointLeaseLost:
-        writing = None if self._writing_since is None else time.monotonic() - self._writing_since
-        return CheckpointLeaseLost.expired(self.uri, self.run_id, self.ttl_s, silent, self._failing, self._last_error,
-                                           writing)
-
-    def _body(self, generation: int, released: bool = False) -> bytes:
-        return json.dumps({"format": LEASE_FORMAT, "run_id": self.run_id, "generation": generation,
-                           "counter": self._counter, "ttl_s": self.ttl_s, "host": socket.gethostname(),
-                           "pid": os.getpid(), "token": self._token, "released": released}).encode()
-
-    # ------------------------------------------------------------ acquire
-    def acquire(self, timeout_s: float | None = None) -> "CheckpointLease":
-        """Hold the location for this run, or raise :class:`CheckpointError` if another run is live there.
-
-        Takes at most about ``ttl_s`` (the holder's) when the previous holder died without releasing;
-        transient storage errors (full disk, timeouts) are retried with backoff; ``timeout_s`` (default
-        ``3 * ttl_s + 5``) bounds the whole attempt."""
-        if self._generation is not None:
-            raise CheckpointError(f"the lease on {self.uri} is already held by this object (run {self.run_id!r})")
-        limit = 3 * self.ttl_s + 5 if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        failures, error = 0, None
-        while time.monotonic() < deadline:
-            try:
-                if self._try_acquire(deadline):
-                    return self
-            except CheckpointError:
-                raise
-            except Exception as exc:  # storage errors: retried while transient, within the deadline
-                if not is_transient(exc):
-                    raise CheckpointError(f"cannot take the lease on checkpoint location {self.uri}: {_describe(exc)}; "
-                                          "fix the storage (permissions, path) or set another checkpoint_uri") from exc
-                failures, error = failures + 1, exc
-                pause = min(backoff_delay(failures, 0.1, 2.0), max(0.0, deadline - time.monotonic()))
-                _log.warning("taking the lease on %s failed (%s); retrying in %.1f s", self.uri, _describe(exc), pause)
-                time.sleep(pause)
-        raise CheckpointError(f"could not acquire the lease on checkpoint location {self.uri} within {limit:.1f} s: "
-                              + (f"the storage kept failing ({failures} attempts, the last {_describe(error)}); fix it "
-                                 "or set another checkpoint_uri" if error is not None else
-                                 "other runs keep taking it over; make sure one job uses this location"))
-
-    def _try_acquire(self, deadline: float) -> bool:
-        generations = _generations(self.loc)
-        target = 1
-        if generations:
-            if not self._wait_until_free(generations[-1], deadline):
-                return False  # a newer generation appeared, or the lease vanished: look again
-            target = generations[-1] + 1
-        self._counter = 0
-        started = time.monotonic()  # the lease counts from before its file can be seen
-        if not self.loc.create_exclusive(_path(self.loc, target), self._body(target), durable=False):
-            return False  # another contender created it first: the next round watches the winner
-        with self._state:
-            self._generation, self._last_renewed, self._failing, self._lost = target, started, 0, None
-        self._stop.clear()
-        self._cleanup(target)
-        self._thread = threading.Thread(target=self._renew_loop, name="elastic-ring-checkpoint-lease", daemon=True)
-        self._thread.start()
-        _log.info("holding the lease on %s (run %s, generation %d, ttl %g s)", self.uri, self.run_id, target,
-                  self.ttl_s)
-        return True
-
-    def _wait_until_free(self, generation: int, deadline: float) -> bool:
-        """True once lease ``generation`` is released or stale; False if it changed under us (look again).
-        Raises if its holder is seen alive."""
-        first = _read_raw(self.loc, generation)
-        info = _parse(first)
-        if first is None:
-            return False
-        if info is not None and info.get("released"):
-            return True
-        declared = info.get("ttl_s") if info is not None else None
-        ttl = min(MAX_TTL_S, max(self.ttl_s, declared if isinstance(declared, (int, float)) else 0))
-        started = time.monotonic()  # after the read: the holder renewed no later than this
-        while time.monotonic() - started < ttl:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(self.poll_s)
-            if _generations(self.loc)[-1:] != [generation]:
-                return False
-            now = _read_raw(self.loc, generation)
-            if now is None:
-                return False
-            if now != first:
-                current = _parse(now)
-                if current is not None and current.get("released"):
-                    return True
-                if current is None:
-                    continue  # being rewritten (object stores never show this; a torn local write might)
-                raise CheckpointError(
-                    f"checkpoint location {self.uri} is in use by run {current.get('run_id')!r} (host "
-                    f"{current.get('host')}, pid {current.get('pid')}), which renewed its lease while this run "
-                    f"{self.run_id!r} watched; two jobs on one location would resume each other's state and prune "
-                    "each other's checkpoints. Stop that run first, or give this one its own checkpoint_uri")
-        holder = info.get("run_id") if info is not None else "unknown"
-        _log.warning("the lease on %s of run %s was not renewed for %.1f s: its holder is gone; taking over",
-                     self.uri, holder, ttl)
-        return True
-
-    def _cleanup(self, generation: int) -> None:
-        """Remove older generations and temporary files of earlier holders (failures are logged)."""
-        for name in self.loc.names():
-            m = _LEASE.match(name)
-            if (m and int(m.group(1)) < generation) or (name.startswith("LEASE-") and ".tmp-" in name):
-                try:
-                    self.loc.remove(self.loc.path(name))
-                except OSError as exc:
-                    _log.warning("could not remove the old lease file %s: %s", self.loc.url(self.loc.path(name)), exc)
-
-    # ------------------------------------------------------------ renew
-    def renew(self) -> None:
-        """Renew once (the background thread does this every ``renew_every_s``). Raises
-        :class:`CheckpointLeaseLost` if the lease is lost (taken over, or renewed too late), the
-        storage's error if the write failed (the caller retries)."""
-        with self._lock:
-            with self._state:
-                generation, lost = self._generation, self._lost
-            if generation is None:
-                raise CheckpointError(f"the lease on {self.uri} is not held")
-            if lost is not None:
-                raise lost
-            started = time.monotonic()
-            newest = _generations(self.loc)[-1:]
-            if newest and newest[0] > generation:
-                raise self._taken_over(generation, newest[0])
-            with self._state:
-                self._writing_since = started
-            try:
-                self._counter += 1
-                self.loc.write_small(_path(self.loc, generation), self._body(generation), durable=False)
-            finally:
-                with self._state:
-                    self._writing_since = None
-            with self._state:
-                silent = time.monotonic() - self._last_renewed
-                if self._lost is None and silent > self.ttl_s:  # done, but too late: a contender may have taken it
-                    self._set_lost(self._expired(silent))
-                if self._lost is not None:
-                    raise self._lost
-                self._last_renewed, self._failing = started, 0
-
-    def _taken_over(self, generation: int, newest: int) -> CheckpointLeaseLost:
-        other = _parse(_read_raw(self.loc, newest)) or {}
-        with self._state:
-            return self._set_lost(CheckpointLeaseLost.taken_over(
-                self.uri, self.run_id, generation, other, newest, time.monotonic() - self._last_renewed, self._failing,
-                self._last_error))
-
-    def _renew_loop(self) -> None:
-        delay = self.renew_every_s
-        try:
-            while not self._stop.wait(delay):
-                try:
-                    self.renew()
-                    delay = self.renew_every_s
-                except CheckpointLeaseLost:
-                    return  # recorded and logged; check() raises it
-                except Exception as exc:  # storage errors of any backend: retried with backoff until ttl_s passed
-                    with self._state:
-                        self._last_error = exc
-                        self._failing += 1
-                        self.failed_renewals += 1
-                        failing, silent = self._failing, time.monotonic() - self._last_renewed
-                    if self._loss() is not None:
-                        return
-                    retry = backoff_delay(failing, self.renew_every_s / 10, self.renew_every_s / 4)
-                    delay = min(retry, self.ttl_s - silent + 0.01)  # wake at the deadline at the latest
-                    _log.warning("renewing the lease on %s failed (%s); %.1f s since the last renewal of %g s allowed; "
-                                 "retrying in %.2f s", self.uri, _describe(exc), silent, self.ttl_s, delay)
-        except BaseException as exc:  # surfaced by check(): the lease is no longer renewed
-            with self._state:
-                self._last_error = exc
-                self._set_lost(CheckpointLeaseLost(
-                    f"the lease renewal thread of run {self.run_id!r} for checkpoint location {self.uri} died: "
-                    f"{_describe(exc)}; the lease is no longer renewed, so this run must stop (a bug: report it)",
-                    reason="renewal_thread_died", uri=self.uri, run_id=self.run_id,
-                    silent_s=round(time.monotonic() - self._last_renewed, 3), attempts=self._failing,
-                    last_error=_describe(exc)))
-                self._lost.__cause__ = exc
-
-    # ------------------------------------------------------------ release
-    def release(self, timeout_s: float = 10.0) -> bool:
-        """Stop renewing and mark the lease released, so that the next run takes over at once.
-
-        Returns True if the lease was marked released. It never raises for storage trouble: if the
-        renewal thread is stuck in a write, or the mark cannot be written within ``timeout_s``, it logs
-        why and returns False; the lease then expires by itself after ``ttl_s``."""
-        deadline = time.monotonic() + timeout_s
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
-            if thread.is_alive():
-                with self._state:
-                    self._generation = None
-                _log.error("the lease renewal thread for %s did not stop within %g s (a renewal write hangs in the "
-                           "storage); the lease is not marked released and expires by itself after %g s", self.uri,
-                           timeout_s, self.ttl_s)
-                return False
-        with self._lock:
-            with self._state:
-                generation, self._generation = self._generation, None
-                lost = self._lost
-            if generation is None or lost is not None:
-                return False
-            return self._write_released(generation, deadline)
-
-    def _write_released(self, generation: int, deadline: float) -> bool:
-        failures = 0
-        while True:
-            try:
-                if _generations(self.loc)[-1:] != [generation]:
-                    _log.warning("not releasing the lease on %s: generation %d is no longer the current one", self.uri,
-                                 generation)
-                    return False
-                self._counter += 1
-                self.loc.write_small(_path(self.loc, generation), self._body(generation, released=True), durable=False)
-                _log.info("released the lease on %s (run %s)", self.uri, self.run_id)
-                return True
-            except Exception as exc:  # retried while transient and time is left; then logged
-                failures += 1
-                pause = backoff_delay(failures, 0.1, 1.0)
-                if not is_transient(exc) or time.monotonic() + pause > deadline:
-                    _log.warning("could not mark the lease on %s released (%s, %d attempts); the next run takes it "
-                                 "over after %g s instead", self.uri, _describe(exc), failures, self.ttl_s)
-                    return False
-                time.sleep(pause)
-
-    def __enter__(self) -> "CheckpointLease":
-        return self.acquire()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.release()
+CheckpointLease.register(FileLease)
+CheckpointLease.register(ObjectStoreLease)

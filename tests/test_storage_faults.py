@@ -8,6 +8,10 @@ real local directory behind :class:`FaultyFileSystem`, an fsspec wrapper of the 
 that raises ``OSError(ENOSPC)`` from every open for writing while its switch file exists. Slow
 storage is that wrapper too: opens for writing sleep first (a real directory underneath).
 Nothing under test is replaced: the writer, the store and the lease run as in production.
+
+The lease on a local disk is an OS file lock, which a full or slow disk does not touch; the renewed
+lease of object stores is tested on the same disk seen as an object store (``faultyobj://``: the
+wrapper without the ``file`` protocol, so ``Location.local`` is False).
 """
 
 import errno
@@ -53,6 +57,30 @@ class FaultyFileSystem(LocalFileSystem):
 fsspec.register_implementation("faultyfile", FaultyFileSystem, clobber=True)
 
 
+class FaultyObjectStore(FaultyFileSystem):
+    """The same faults on a real directory that the checkpoint code treats as an object store."""
+
+    protocol = ("faultyobj",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, auto_mkdir=True, **kwargs)  # keys have no directories to create first
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        """A PUT stores a new object, then the key names it: on a full disk it fails (an in-place rewrite of a
+        small file on tmpfs would reuse the file's own page and succeed)."""
+        tmp = f"{path}.put-{uuid.uuid4().hex}"
+        try:
+            super().pipe_file(tmp, value, mode=mode, **kwargs)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+fsspec.register_implementation("faultyobj", FaultyObjectStore, clobber=True)
+
+
 @pytest.fixture
 def faulty_fs():
     yield FaultyFileSystem
@@ -65,6 +93,7 @@ class Disk:
     def __init__(self, path: pathlib.Path, kind: str) -> None:
         self.path, self.kind = path, kind
         self.uri = str(path) if kind == "tmpfs" else f"faultyfile://{path}"
+        self.object_uri = f"faultyobj://{path}"  # the same disk as an object store (the renewed lease)
         self._ballast = path / "BALLAST"
         self._switch = path.parent / "FULL"
 
@@ -149,7 +178,8 @@ def _assert_whole(store: CheckpointStore) -> None:
 def test_disk_full_for_a_while_then_space_returns_the_run_goes_on(small_disk, events):
     """Scaled from the users' case (checkpoints every 5 s, disk full for 9 s, lease ttl 15 s) by 1/3:
     every 1 s, full for 3 s, ttl 5 s; the write retry budget (2 s) is shorter than the outage, so a
-    write fails and is reported, and the next ones succeed."""
+    write fails and is reported, and the next ones succeed. The lease is a file lock: the full disk
+    never touches it."""
     lease = CheckpointLease(small_disk.uri, RUN, ttl_s=5.0).acquire()
     store = CheckpointStore(small_disk.uri, keep_last=2, run_id=RUN)
     writer = BackgroundWriter(store, max_consecutive_failures=3, retry_budget_s=2.0)
@@ -186,7 +216,7 @@ def test_disk_full_for_a_while_then_space_returns_the_run_goes_on(small_disk, ev
     after = [e for e in written if e["commits"] > freed_at_step]
     assert after and events.index(after[0]) > events.index(failed[-1]), events  # later checkpoints succeed
     assert newest == written[-1]["uri"] and store.load_latest()[0]["step"] == written[-1]["commits"]
-    assert lease.failed_renewals >= 1 and lease.last_error.errno == errno.ENOSPC  # renewals failed, and were retried
+    assert lease.failed_renewals == 0 and lease.last_error is None  # nothing to renew: the kernel holds the lock
     _assert_whole(store)
 
 
@@ -222,11 +252,12 @@ def test_a_disk_that_stays_full_stops_at_a_commit_and_flush_retries_until_space_
 
 # ------------------------------------------------------------------ the lease on a full disk
 def test_renewals_failing_for_less_than_the_ttl_keep_the_lease_and_a_contender_refuses(small_disk):
-    lease = CheckpointLease(small_disk.uri, RUN, ttl_s=3.0).acquire()
+    lease = CheckpointLease(small_disk.object_uri, RUN, ttl_s=3.0).acquire()
     try:
         small_disk.fill()
         refused = {}
-        contender = threading.Thread(target=lambda: refused.update(error=_try_acquire(small_disk.uri, "run-b", 3.0)))
+        contender = threading.Thread(target=lambda: refused.update(error=_try_acquire(small_disk.object_uri, "run-b",
+                                                                                      3.0)))
         contender.start()
         assert _wait_for(lambda: lease.failed_renewals >= 2, 5), lease.failed_renewals
         time.sleep(1.5 - 0.6)
@@ -243,15 +274,18 @@ def test_renewals_failing_for_less_than_the_ttl_keep_the_lease_and_a_contender_r
 
 
 def _try_acquire(uri, run_id, ttl_s):
+    """A contender: on an object store it watches for up to 15 s (refusing once it sees a renewal); a file lock
+    it tries for its default wait (``ttl_s / 5``), since a held lock is a live holder."""
+    lease = CheckpointLease(uri, run_id, ttl_s=ttl_s)
     try:
-        CheckpointLease(uri, run_id, ttl_s=ttl_s).acquire(timeout_s=15).release()
+        lease.acquire(timeout_s=None if lease.loc.local else 15).release()
     except CheckpointError as exc:
         return exc
     return None
 
 
 def test_renewals_failing_for_the_whole_ttl_lose_the_lease_and_say_why(small_disk):
-    lease = CheckpointLease(small_disk.uri, RUN, ttl_s=1.0).acquire()
+    lease = CheckpointLease(small_disk.object_uri, RUN, ttl_s=1.0).acquire()
     started = time.monotonic()
     small_disk.fill()
     assert _wait_for(lambda: not lease.held, 5)
@@ -264,7 +298,7 @@ def test_renewals_failing_for_the_whole_ttl_lose_the_lease_and_say_why(small_dis
     assert info.value.reason == "expired" and info.value.attempts >= 2 and "No space" in info.value.last_error
     assert _wait_for(lambda: not lease._thread.is_alive(), 3)  # it stopped renewing: a contender may take over
     small_disk.free()
-    successor = CheckpointLease(small_disk.uri, "run-b", ttl_s=1.0).acquire(timeout_s=15)
+    successor = CheckpointLease(small_disk.object_uri, "run-b", ttl_s=1.0).acquire(timeout_s=15)
     try:
         assert successor.generation == 2
         with pytest.raises(CheckpointLeaseLost, match="could not be renewed"):
@@ -275,12 +309,12 @@ def test_renewals_failing_for_the_whole_ttl_lose_the_lease_and_say_why(small_dis
 
 
 def test_a_takeover_is_seen_at_once_even_while_renewal_writes_fail(tmp_path, faulty_fs):
-    uri = f"faultyfile://{tmp_path / 'ckpt'}"
+    uri = f"faultyobj://{tmp_path / 'ckpt'}"
     lease = CheckpointLease(uri, RUN, ttl_s=3.0).acquire()
     FaultyFileSystem.full_switch = tmp_path / "FULL"
     FaultyFileSystem.full_switch.touch()  # this process's writes fail; listing still works
     assert _wait_for(lambda: lease.failed_renewals >= 1, 5)
-    taker = CheckpointLease(str(tmp_path / "ckpt"), "run-b", ttl_s=3.0)
+    taker = CheckpointLease(uri, "run-b", ttl_s=3.0)
     (tmp_path / "ckpt" / "LEASE-000000000002.json").write_bytes(taker._body(2))  # another host took it over
     started = time.monotonic()
     assert _wait_for(lambda: not lease.held, 5)
@@ -292,12 +326,14 @@ def test_a_takeover_is_seen_at_once_even_while_renewal_writes_fail(tmp_path, fau
 
 
 # ------------------------------------------------------------------ slow storage
-def test_slow_writes_are_not_failures_nothing_queues_up_and_the_lease_is_kept(tmp_path, faulty_fs, events):
-    uri = f"faultyfile://{tmp_path}"
+@pytest.mark.parametrize("kind", ["file", "object"])
+def test_slow_writes_are_not_failures_nothing_queues_up_and_the_lease_is_kept(tmp_path, faulty_fs, events, kind):
+    uri = f"faultyfile://{tmp_path}" if kind == "file" else f"faultyobj://{tmp_path}"
     lease = CheckpointLease(uri, RUN, ttl_s=2.0).acquire()
     store = CheckpointStore(uri, keep_last=2, run_id=RUN)
     writer = BackgroundWriter(store, retry_budget_s=0.5)
     FaultyFileSystem.delays = {"data.pt": 3.0, "LEASE-": 0.5}  # each checkpoint takes > the lease's whole TTL
+    # (object store: every renewal takes 0.5 s; a file lock writes nothing while held)
     try:
         started, submitted = time.monotonic(), 0
         while time.monotonic() - started < 7.5:
@@ -306,7 +342,7 @@ def test_slow_writes_are_not_failures_nothing_queues_up_and_the_lease_is_kept(tm
             writer.check()
             lease.check()
             time.sleep(0.25)
-        refused = _try_acquire(uri, "run-b", 2.0)  # slow renewals are still renewals
+        refused = _try_acquire(uri, "run-b", 2.0)  # slow renewals are still renewals; a held file lock is held
         assert refused is not None and "in use by run 'run-faults'" in str(refused), refused
         newest = writer.flush(timeout_s=30)
         lease.check()
@@ -323,7 +359,7 @@ def test_slow_writes_are_not_failures_nothing_queues_up_and_the_lease_is_kept(tm
 
 
 def test_a_renewal_stuck_in_a_slow_write_is_reported_by_check_not_a_silent_hang(tmp_path, faulty_fs):
-    uri = f"faultyfile://{tmp_path}"
+    uri = f"faultyobj://{tmp_path}"
     lease = CheckpointLease(uri, RUN, ttl_s=1.0).acquire()
     FaultyFileSystem.delays = {"LEASE-": 3.0}
     started = time.monotonic()
