@@ -1,13 +1,14 @@
 """``hvd.join()``: Horovod's join tests (test/parallel/test_torch.py: test_horovod_join_allreduce, _allgather,
 _broadcast) through the hvd module, on real gloo rings, and where our semantics differ from Horovod's (an
 allgather with a joined rank gathers no rows from it instead of failing; a broadcast fails only when its root
-joined), that difference."""
+joined), that difference; and uneven batches through ``hvd.DistributedOptimizer(strict_checks=True)``."""
 
 from __future__ import annotations
 
 import itertools
 import time
 
+import pytest
 import torch
 
 import ray_integration.horovod as hvd
@@ -114,10 +115,77 @@ def _lean_optimizer_then_join():
     try:
         hvd.join()
     except RuntimeError as exc:
-        return "strict_checks=True" in str(exc), time.monotonic() - started
+        return "hvd.DistributedOptimizer(..., strict_checks=True)" in str(exc), time.monotonic() - started
     return False, time.monotonic() - started
 
 
 def test_join_after_lean_optimizer_steps_raises_at_once(ring):
     for named, seconds in ring.run(_lean_optimizer_then_join, world_size=2, timeout_s=30):
         assert named and seconds < 1.0
+
+
+_STEPS = (3, 5, 2)  # batches per rank: rank 1 joins last
+
+
+def _batch(rank: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + k)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _model_and_sgd() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _uneven_batches_strict_optimizer():
+    hvd.init()
+    rank = hvd.rank()
+    model, sgd = _model_and_sgd()
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), strict_checks=True)
+    for k in range(_STEPS[rank]):
+        x, y = _batch(rank, k)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    stepped = [p.detach().clone() for p in model.parameters()]
+    last = hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    return last, stepped, [p.detach().clone() for p in model.parameters()]
+
+
+def _reference(size: int) -> list[torch.Tensor]:
+    """The same steps in one process: at step k, the gradients of the ranks that still have a batch, summed and
+    divided by the full size (a joined rank's zeros count, as in Horovod)."""
+    model, opt = _model_and_sgd()
+    for k in range(max(_STEPS)):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(size):
+            if k < _STEPS[rank]:
+                model.zero_grad()
+                x, y = _batch(rank, k)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                for g, p in zip(grads, model.parameters()):
+                    g += p.grad
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g / size
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_uneven_batches_through_a_strict_hvd_optimizer_and_join_end_equal_on_every_rank(ring):
+    results = ring.run(_uneven_batches_strict_optimizer, world_size=3, timeout_s=90)
+    want = _reference(3)
+    assert [last for last, _, _ in results] == [1, 1, 1]
+    stepped_last = results[1][1]  # the rank that stepped every batch, before the broadcast
+    for got, expected in zip(stepped_last, want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(a, b) for a, b in zip(results[2][1], stepped_last))  # rank 2 stopped early
+    for _, _, final in results:
+        assert all(torch.equal(a, b) for a, b in zip(final, stepped_last))
+
+
+def test_strict_checks_must_be_true_or_false():
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="strict_checks='yes' must be True or False"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strict_checks="yes")

@@ -16,8 +16,9 @@ Horovod's) and an :class:`elastic_ring.CommError` (the elastic loop's "roll back
 write rank 0's timeline (:mod:`.timeline`). The modules: :mod:`.errors`, :mod:`.topology`, :mod:`.process_sets`,
 :mod:`.session` (init, shutdown), :mod:`.ops` (collectives, sparse, objects, join), :mod:`.async_ops`,
 :mod:`.optimizer`, :mod:`.elastic`. What elastic_ring does not offer is refused with an error that says so and
-what to use instead, never ignored: ``join``, ``gradient_predivide_factor``, ``num_groups`` / ``groups``, and (as
-in Horovod) Adasum on a number of ranks that is not a power of two.
+what to use instead, never ignored: ``gradient_predivide_factor``, ``num_groups`` / ``groups``, and (as in
+Horovod) Adasum on a number of ranks that is not a power of two. ``join`` works with optimizer steps on the other
+ranks when each rank's optimizer is ``DistributedOptimizer(..., strict_checks=True)``.
 """
 
 from __future__ import annotations

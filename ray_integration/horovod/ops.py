@@ -262,10 +262,18 @@ def join(device: int = -1) -> int:
     size; allgather with no rows; broadcast from a rank that has not joined), until every rank has joined, and
     returns the rank that joined last, the same on every rank (``elastic_ring.join``). A broadcast whose root
     joined, reducescatter and alltoall raise on the ranks that call them. Optimizer steps are answered (zero
-    gradients, Average divides by the full size) when they lead with a check
-    (``elastic_ring.DistributedOptimizer(..., strict_checks=True)``); ``hvd.DistributedOptimizer`` carries a
-    step's agreement in its last bucket after the ring's first step, so ``join()`` raises at once once it has
-    stepped. ``device`` is Horovod's device for the zeros: accepted, the ring's device is used."""
+    gradients, Average divides by the full size) when every rank's optimizer leads each step with its check:
+    ``hvd.DistributedOptimizer(..., strict_checks=True)``. The default (``strict_checks=False``) carries a step's
+    agreement in its last bucket after the ring's first step, which no joined rank can answer, so ``join()``
+    raises ``RuntimeError`` at once in a process whose lean optimizer has stepped. ``device`` is Horovod's
+    device for the zeros: accepted, the ring's device is used."""
     if isinstance(device, bool) or not isinstance(device, int):
         raise ValueError(f"join(device={device!r}): device is a device id (an int, -1 for the CPU)")
-    return er.join()
+    try:
+        return er.join()
+    except RuntimeError as exc:
+        if type(exc) is not RuntimeError or "strict_checks=True" not in str(exc):
+            raise  # a failed collective (HorovodInternalError via _hvd_call), a mismatch, ...
+        raise RuntimeError(
+            f"hvd.join(): {exc}. In this API: build every rank's optimizer as hvd.DistributedOptimizer(..., "
+            "strict_checks=True)") from exc

@@ -158,7 +158,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op: ReduceOp | str = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: Any = global_process_set) -> torch.optim.Optimizer:
+                         process_set: Any = global_process_set, strict_checks: bool = False) -> torch.optim.Optimizer:
     """Horovod's DistributedOptimizer signature over ``elastic_ring.DistributedOptimizer``.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are reduced dense, in the fused buckets, and handed back to
@@ -167,7 +167,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     of indices and values when ``False``; the values are the same.
 
     ``process_set=`` a set smaller than the ring, and ``op=Adasum`` (Horovod's delta optimizer), reduce at the step
-    in this layer (:mod:`.step_reduced`: Horovod's semantics, no overlap with the backward pass)."""
+    in this layer (:mod:`.step_reduced`: Horovod's semantics, no overlap with the backward pass).
+
+    ``strict_checks`` (an extension, elastic_ring's): ``True`` checks every step with its own small collective
+    before any gradient bucket goes out, which :func:`join` needs to answer the steps of ranks that still have
+    data (uneven batches); the default ``False`` carries the step's agreement inside its last bucket after the
+    ring's first step (no extra collective), and ``hvd.join()`` then raises at once. The process-set and Adasum
+    forms reduce with checked collectives at every step already and accept either value."""
+    if not isinstance(strict_checks, bool):
+        raise ValueError(f"strict_checks={strict_checks!r} must be True or False")
     if gradient_predivide_factor != 1.0:
         raise NotImplementedError("gradient_predivide_factor is not supported by elastic_ring: the average is "
                                   "divided once, while the gradient is copied into its bucket; leave it at 1.0")
@@ -202,7 +210,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     hooks = _densify_hooks(params, pending, sparse_as_dense)  # before the reducer's hooks: they run first
     try:
         wrapped = er.DistributedOptimizer(inner, named_parameters, compression=compression,
-                                          backward_passes_per_step=backward_passes_per_step, op=reduce_op)
+                                          backward_passes_per_step=backward_passes_per_step, op=reduce_op,
+                                          strict_checks=strict_checks)
     except BaseException:
         for hook in hooks:
             hook.remove()
