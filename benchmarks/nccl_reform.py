@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from benchmarks._launch import new_secret
+from benchmarks._needs import Results, require_nccl
 from elastic_ring.backends.nccl.communicator import shared_gpu_env
 
 
@@ -234,31 +235,39 @@ def main() -> None:
     if args.backend == "nccl":
         from elastic_ring.backends.nccl import lib as nccl_lib
 
-        if not er.nccl_available():
-            raise SystemExit("benchmarks.nccl_reform --backend nccl needs CUDA and libnccl >= 2.25; "
-                             "use --backend gloo for a dry run")
+        require_nccl(benchmark="benchmarks.nccl_reform", why="--backend nccl", skip="--backend gloo (a dry run)")
         lib = nccl_lib.load()
         print(f"libnccl {lib.version()} at {lib.path}; shrink={lib.has('ncclCommShrink')} "
               f"revoke={lib.has('ncclCommRevoke')} grow={lib.has('ncclCommGrow')}", flush=True)
-    ranks = Ranks(args.world, args.backend)
     times: dict[tuple[str, str], list[float]] = {}
     phases = ("leave", "join", "loss", "join new")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for i in range(2 * args.repeats):
-                mode = ("init", "shrink_grow")[i % 2]
-                result = one_repetition(ranks, mode, args.world, pathlib.Path(tmp))
-                print(f"{mode:12s} " + "   ".join(f"{p} {result[p]['seconds']:.4f} s {result[p]['paths']}"
-                                                   for p in phases), flush=True)
-                for p in phases:
-                    times.setdefault((mode, p), []).append(result[p]["seconds"])
-    finally:
-        ranks.close()
-    print(f"\nmedians over {args.repeats} repetitions each, world {args.world} (leave/loss: {args.world} -> "
-          f"{args.world - 1}; join: back to {args.world}), backend {args.backend}:")
-    for p in phases:
-        full, fast = statistics.median(times[("init", p)]), statistics.median(times[("shrink_grow", p)])
-        print(f"  {p:8s}: full init {full:.4f} s, shrink/grow {fast:.4f} s, speed-up {full / fast:.2f}x")
+
+    def medians() -> None:
+        done = len(times.get(("shrink_grow", phases[-1]), []))
+        print(f"\nmedians over {done} repetitions each, world {args.world} (leave/loss: {args.world} -> "
+              f"{args.world - 1}; join: back to {args.world}), backend {args.backend}:")
+        for p in phases:
+            if not times.get(("init", p)) or not times.get(("shrink_grow", p)):
+                print(f"  {p:8s}: not measured in both modes")
+                continue
+            full, fast = statistics.median(times[("init", p)]), statistics.median(times[("shrink_grow", p)])
+            print(f"  {p:8s}: full init {full:.4f} s, shrink/grow {fast:.4f} s, speed-up {full / fast:.2f}x")
+
+    # a repetition that fails prints the medians of those before it, then the failure
+    with Results("benchmarks.nccl_reform").part("a repetition", partial=medians):
+        ranks = Ranks(args.world, args.backend)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                for i in range(2 * args.repeats):
+                    mode = ("init", "shrink_grow")[i % 2]
+                    result = one_repetition(ranks, mode, args.world, pathlib.Path(tmp))
+                    print(f"{mode:12s} " + "   ".join(f"{p} {result[p]['seconds']:.4f} s {result[p]['paths']}"
+                                                       for p in phases), flush=True)
+                    for p in phases:
+                        times.setdefault((mode, p), []).append(result[p]["seconds"])
+        finally:
+            ranks.close()
+    medians()
 
 
 if __name__ == "__main__":

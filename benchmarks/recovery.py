@@ -25,7 +25,9 @@ the 2 survivors, mid-epoch (where in the epoch is printed). Per run and as media
 
 for ElasticTrainer on one Ray node ("one host") and on a ray.cluster_utils.Cluster with one worker
 slot per node ("many hosts", all on this machine), and the recovery of Ray Train's TorchTrainer (v2)
-on one node as the reference (needs ray[train]; --skip-ray-train skips it).
+on one node as the reference (needs ray.train, checked before anything runs; --skip-ray-train skips it).
+Every run's numbers are printed as measured, and each part's summary as it ends; if a later part
+fails, what was measured before it is printed with the failure (exit status 1).
 
     python -m benchmarks.recovery [--runs 5] [--skip-ray-train] [--skip-many-hosts] [--commit-every N]
 """
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib
 import json
 import os
 import pathlib
@@ -47,6 +48,7 @@ import ray
 import torch
 
 import elastic_ring as er
+from benchmarks._needs import INSTALL, Results, require
 from ray_integration import ElasticTrainer
 from state import ElasticSampler, TorchState
 
@@ -255,49 +257,44 @@ def main() -> None:
     parser.add_argument("--skip-many-hosts", action="store_true")
     args = parser.parse_args()
     if not args.skip_ray_train:
-        try:
-            importlib.import_module("ray.train.torch")
-        except ImportError as exc:
-            parser.exit(2, f"recovery: the Ray Train comparison needs ray.train, which does not import here ({exc});\n"
-                           "pass --skip-ray-train, or install it: pip install 'ray[train]'\n")
+        require("ray.train.torch", benchmark="benchmarks.recovery", why="the Ray Train comparison",
+                install=INSTALL["ray.train"], skip="--skip-ray-train")
     env = {"env_vars": {"PYTHONPATH": ROOT}}
-    lines = _Lines()  # printed as they are measured: a later failure keeps what was measured before it
+    results = Results("benchmarks.recovery")  # printed as measured: a later failure keeps what was measured before it
+    print(f"3 gloo CPU workers, rank {VICTIM_RANK} SIGKILLed at step {KILL_STEP} after opt.step(), before the "
+          f"loss allreduce; {args.runs} runs each; {EPOCHS} epochs of {SAMPLES} samples, batch {BATCH}; ours commit "
+          f"{'every %d steps and at epoch ends' % args.commit_every if args.commit_every else 'only at epoch ends'}",
+          flush=True)
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=env)
-    lines += ours_lines("one host", run_ours("one host", args, {}))
-    if not args.skip_ray_train:
-        theirs = [measure_ray_train(args.step_delay_s) for _ in range(args.runs)]
-        lines.append(summary("Ray Train TorchTrainer: recovery", [r for r, _ in theirs]))
-        lines.append(summary("Ray Train TorchTrainer: steps redone", [d for _, d in theirs], "steps", "7.1f"))
-    ray.shutdown()
+    try:
+        with results.part("ours, one host"):
+            results.extend(ours_lines("one host", run_ours("one host", args, {})))
+        if not args.skip_ray_train:
+            with results.part("Ray Train"):
+                theirs = []
+                for i in range(args.runs):
+                    theirs.append(measure_ray_train(args.step_delay_s))
+                    print(f"  Ray Train run {i + 1}: recovery {theirs[-1][0]:.3f} s, redone {theirs[-1][1]}", flush=True)
+                results.add(summary("Ray Train TorchTrainer: recovery", [r for r, _ in theirs]))
+                results.add(summary("Ray Train TorchTrainer: steps redone", [d for _, d in theirs], "steps", "7.1f"))
+    finally:
+        ray.shutdown()
     if not args.skip_many_hosts:
         from ray.cluster_utils import Cluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        for _ in range(4):
-            cluster.add_node(num_cpus=1, resources={"slot": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False, runtime_env=env)
-        lines += ours_lines("many hosts", run_ours("many hosts", args, {"resources_per_worker": {"slot": 1}}))
-        ray.shutdown()
-        cluster.shutdown()
-    print(f"3 gloo CPU workers, rank {VICTIM_RANK} SIGKILLed at step {KILL_STEP} after opt.step(), before the "
-          f"loss allreduce; {args.runs} runs each; {EPOCHS} epochs of {SAMPLES} samples, batch {BATCH}; ours commit "
-          f"{'every %d steps and at epoch ends' % args.commit_every if args.commit_every else 'only at epoch ends'}")
-    print("\n".join(lines))
-
-
-class _Lines(list):
-    """Result lines, each printed (flushed) the moment it is added, and again in the final summary."""
-
-    def append(self, line: str) -> None:
-        print(f"... {line}", flush=True)
-        super().append(line)
-
-    def __iadd__(self, more):
-        for line in more:
-            self.append(line)
-        return self
+        with results.part("ours, many hosts"):
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+            try:
+                for _ in range(4):
+                    cluster.add_node(num_cpus=1, resources={"slot": 1})
+                cluster.wait_for_nodes()
+                ray.init(address=cluster.address, log_to_driver=False, runtime_env=env)
+                results.extend(ours_lines("many hosts", run_ours("many hosts", args, {"resources_per_worker": {"slot": 1}})))
+            finally:
+                ray.shutdown()
+                cluster.shutdown()
+    print("\n" + "\n".join(results.lines))
 
 
 if __name__ == "__main__":

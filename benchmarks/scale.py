@@ -24,6 +24,11 @@ much as the protocol: read the slope as an upper bound.
 ``--backend nccl`` runs part 1 only, with every rank on GPU 0 (NCCL's socket transport on loopback,
 ``elastic_ring.backends.nccl.communicator.shared_gpu_env``), and prints the table without drawing: one GPU time-slices its
 ranks, so read it as what forming and aborting NCCL communicators costs, not as a multi-GPU figure.
+
+Drawing needs matplotlib (``pip install -e '.[examples]'``), ``--backend nccl`` CUDA and libnccl
+(``.[gpu]``): both are checked before anything runs. Results are printed as measured; if part 2
+fails, part 1's numbers and the recovery measured so far are printed as JSON with the failure (exit
+status 1; ``--png`` and its JSON are left as they were).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from benchmarks._launch import backend_fields, new_secret, ring_spec
+from benchmarks._needs import INSTALL, Results, require, require_nccl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KILL_STEP = 20
@@ -226,8 +232,10 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="nccl: part 1 only, every rank on GPU 0; prints, does not draw")
     args = parser.parse_args()
-    if args.backend == "nccl" and not torch.cuda.is_available():
-        parser.error("--backend nccl: torch.cuda.is_available() is False on this machine")
+    if args.backend == "nccl":
+        require_nccl(benchmark="benchmarks.scale", why="--backend nccl", skip="--backend gloo")
+    else:
+        require("matplotlib", benchmark="benchmarks.scale", why=f"drawing {args.png}", install=INSTALL["matplotlib"])
     if args.replot:
         draw(pathlib.Path(args.png), json.loads(pathlib.Path(args.replot).read_text()))
         print(f"wrote {args.png}")
@@ -251,23 +259,29 @@ def main() -> None:
         print(f"NCCL on one GPU ({torch.cuda.get_device_name(0)}), every rank on device 0; not drawn")
         return
     recovery: dict[int, float] = {}
+    data = {"worlds": args.worlds, "first": first, "reform": reform, "recovery": recovery}
+    saved = pathlib.Path(args.png).with_suffix(".json")
+
+    def measured() -> None:  # printed, not saved: a partial run must not replace the last whole one's JSON
+        print(json.dumps(data))
+
     if not args.skip_recovery:
         import ray
 
-        ray.init(num_cpus=max(args.recovery_worlds) + 2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-        try:
-            print(f"\n{'workers':>7} {'recovery s':>11} {'driver recovered s':>19}", flush=True)
-            for world in args.recovery_worlds:
-                seconds, reported = recovery_time(world, args.step_delay_s)
-                recovery[world] = seconds
-                print(f"{world:>7} {seconds:>11.3f} {'-' if reported is None else f'{reported:.3f}':>19}", flush=True)
-        finally:
-            ray.shutdown()
+        with Results("benchmarks.scale").part("part 2 (recovery)", partial=measured):
+            ray.init(num_cpus=max(args.recovery_worlds) + 2, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            try:
+                print(f"\n{'workers':>7} {'recovery s':>11} {'driver recovered s':>19}", flush=True)
+                for world in args.recovery_worlds:
+                    seconds, reported = recovery_time(world, args.step_delay_s)
+                    recovery[world] = seconds
+                    print(f"{world:>7} {seconds:>11.3f} {'-' if reported is None else f'{reported:.3f}':>19}",
+                          flush=True)
+            finally:
+                ray.shutdown()
         a, b = fit(list(recovery), list(recovery.values()))
         print(f"recovery slope: {b * 1e3:.1f} ms/worker (intercept {a:.3f} s)")
-    data = {"worlds": args.worlds, "first": first, "reform": reform, "recovery": recovery}
-    saved = pathlib.Path(args.png).with_suffix(".json")
     saved.write_text(json.dumps(data, indent=1))
     draw(pathlib.Path(args.png), data)
     print(f"wrote {args.png} and {saved}")

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from benchmarks._launch import run_ranks
+from benchmarks._needs import Results, require_nccl
 
 
 def mlp(depth: int, width: int) -> torch.nn.Module:
@@ -269,16 +270,22 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: every rank on GPU 0, NCCL on both sides (socket transport on loopback)")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    rows = []
+    if args.device == "cuda":
+        require_nccl(benchmark="benchmarks.step", why="--device cuda (ours over elastic_ring's NCCL)",
+                     skip="--device cpu")
+    specs = []
     for spec in args.rows:
         name, _, world = spec.partition("@")
         if name not in WORKLOADS or not world.isdigit() or int(world) < 1:
             parser.error(f"--rows {spec!r}: use WORKLOAD@WORLD with WORKLOAD one of {', '.join(WORKLOADS)}")
-        fixed_first = None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20)
-        rows.append(_row(name, int(world), args.steps, args.blocks, args.fixed, args.max_warmup, fixed_first,
-                         args.device, args.ddp_probe))
+        specs.append((name, int(world)))
+    rows = []
+    fixed_first = None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20)
+    for name, world in specs:  # a row that fails prints the tables of the rows before it, then the failure
+        with Results("benchmarks.step").part(f"row {name}@{world}",
+                                             partial=lambda: print_tables(rows, args, partial=False) if rows else None):
+            rows.append(_row(name, world, args.steps, args.blocks, args.fixed, args.max_warmup, fixed_first,
+                             args.device, args.ddp_probe))
         print_tables(rows, args, partial=True)
     print_tables(rows, args, partial=False)
 
