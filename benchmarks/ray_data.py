@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import pathlib
 import statistics
@@ -67,8 +66,6 @@ def ours(config: dict) -> list[float]:
     from state import TorchState
 
     torch.set_num_threads(1)
-    if "prepared" in config:
-        data.install(config["prepared"])
     model = _model()
     optimizer = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
     shard = data.get_dataset_shard("train", shuffle=config["shuffle"], batch_size=config["batch"])
@@ -115,14 +112,8 @@ def measure_ours(ds, args, shuffle: bool) -> float:
     from ray_integration import ElasticTrainer
 
     config = {"epochs": args.epochs, "batch": args.batch, "shuffle": shuffle}
-    options = dict(min_workers=args.workers, max_workers=args.workers, progress=False)
-    if "datasets" in inspect.signature(ElasticTrainer.__init__).parameters:
-        options["datasets"] = {"train": ds}
-    else:  # before ElasticTrainer(datasets=...): the same, by hand
-        from ray_integration import data
-
-        config["prepared"] = data.prepare_datasets({"train": ds})
-    result = ElasticTrainer(**options).run(ours, config)
+    result = ElasticTrainer(min_workers=args.workers, max_workers=args.workers, progress=False,
+                            datasets={"train": ds}).run(ours, config)
     return statistics.median(result.value[1:])
 
 

@@ -238,8 +238,6 @@ def rows_dataset(n=N_ROWS, blocks=6):
 
 def train_rows(config: dict):
     """Linear regression on the shard's batches; a `hits` parameter counts each row id's trained uses."""
-    if "prepared" in config:
-        data.install(config["prepared"])  # what ElasticTrainer(datasets=...) does in each worker
     n, epochs = config["rows"], config["epochs"]
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -296,10 +294,9 @@ def test_every_row_exactly_once_through_a_kill_and_a_join(ray_session):
     from ray_integration import ElasticTrainer
 
     epochs, batch = 2, 4
-    prepared = data.prepare_datasets({"train": rows_dataset()})
     started = time.monotonic()
-    result = ElasticTrainer(min_workers=2, max_workers=FULL, progress=False).run(
-        train_rows, config={"prepared": prepared, "rows": N_ROWS, "epochs": epochs, "batch": batch, "kill": KILL,
+    result = ElasticTrainer(min_workers=2, max_workers=FULL, progress=False, datasets={"train": rows_dataset()}).run(
+        train_rows, config={"rows": N_ROWS, "epochs": epochs, "batch": batch, "kill": KILL,
                             "step_delay_s": 0.03})
     wall = time.monotonic() - started
     value = result.value
@@ -309,8 +306,7 @@ def test_every_row_exactly_once_through_a_kill_and_a_join(ray_session):
         assert kind in kinds, kinds
     assert value["seen"] == [float(epochs)] * N_ROWS, "every row exactly once per epoch"
     assert value["identical"], "every replica of the final ring holds the same parameters"
-    history = getattr(result, "metrics_history", None)  # rank 0's er.report records
-    reports = [m for m in (result.metrics if history is None else history) if "position" in m]
+    reports = [m for m in result.metrics_history if "position" in m]  # rank 0's er.report records
     join_round = next(e.round_id for e in result.events if e.kind == "worker_joined")
     before = [m for m in reports if m["round"] < join_round]
     after = [m for m in reports if m["round"] == join_round]
