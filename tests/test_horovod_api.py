@@ -414,8 +414,8 @@ def _reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
         out = stack.max(0).values
     elif dtype.is_floating_point:
         out = stack.sum(0) / len(xs)
-    else:  # Horovod: an integer average floor-divides
-        out = torch.floor(stack.sum(0) / len(xs))
+    else:  # Horovod: an integer average is the sum times 1 / size, truncated toward zero
+        out = torch.trunc(stack.sum(0) / len(xs))
     return out.to(dtype)
 
 

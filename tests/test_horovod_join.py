@@ -17,9 +17,8 @@ _INTEGRAL = (torch.int32, torch.int64)
 
 
 def _div(t: torch.Tensor, s: int) -> torch.Tensor:
-    """elastic_ring's integer average floor-divides (Horovod's test divides with rounding_mode='trunc'; the two
-    differ for a negative sum that the size does not divide, join or not)."""
-    return t.floor_divide(s) if t.dtype in _INTEGRAL else t / s
+    """Horovod's test's division: an integer average truncates toward zero."""
+    return t.div(s, rounding_mode="trunc") if t.dtype in _INTEGRAL else t / s
 
 
 def _join_allreduce():

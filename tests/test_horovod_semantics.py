@@ -91,6 +91,9 @@ def _every_dtype_moves():
         er.allreduce_(inplace, op="sum")
         results[f"inplace {dtype}"] = (inplace.dtype == dtype, inplace.tolist())
     results["int avg"] = er.allreduce(torch.tensor([rank + 1, 2 * rank]), op="average").tolist()
+    signed = torch.tensor([[5, 1, -5, -1], [0, 0, 0, 0], [2, 1, -2, -1]][rank])  # sums 7, 2, -7, -2
+    for dtype in (torch.int16, torch.int32, torch.int64):  # int16 is reduced in a wider dtype
+        results[f"signed avg {dtype}"] = er.allreduce(signed.to(dtype), op="average").tolist()
     try:
         er.allreduce(torch.ones(2, dtype=torch.complex64))
     except ValueError as exc:
@@ -99,7 +102,7 @@ def _every_dtype_moves():
     return results
 
 
-def test_every_dtype_moves_and_integer_averages_floor_as_in_horovod(ring):
+def test_every_dtype_moves_and_integer_averages_truncate_toward_zero_as_in_horovod(ring):
     for results in ring.run(_every_dtype_moves, world_size=3, timeout_s=60):
         for key, value in results.items():
             if isinstance(value, tuple) and len(value) == 3:
@@ -109,7 +112,9 @@ def test_every_dtype_moves_and_integer_averages_floor_as_in_horovod(ring):
             assert results[f"avg {dtype}"] == [2, 14]
             assert results[f"max {dtype}"] == [3, 21]
             assert results[f"inplace {dtype}"] == (True, [6, 42])
-        assert results["int avg"] == [2, 2]   # [1+2+3, 0+2+4] // 3
+        assert results["int avg"] == [2, 2]   # [1+2+3, 0+2+4] / 3
+        for dtype in ("torch.int16", "torch.int32", "torch.int64"):  # truncated toward zero (floor: -3, -1)
+            assert results[f"signed avg {dtype}"] == [2, 0, -2, 0], dtype
         assert results["complex"] is True
 
 

@@ -22,7 +22,7 @@ _DTYPES = [torch.int32, torch.int64, torch.float32, torch.float64]
 def _expected_average(t: torch.Tensor, size: int) -> torch.Tensor:
     """Every rank but the joined one sent ``t``; the joined one zeros; Average divides by the full size."""
     total = t * (size - 1)
-    return total.floor_divide(size) if not t.is_floating_point() else total / size
+    return total.div(size, rounding_mode="trunc") if not t.is_floating_point() else total / size  # Horovod's trunc
 
 
 def _horovod_join_allreduce():

@@ -145,8 +145,8 @@ def _finish_fused(in_flight, tensors, op, size, inplace) -> list[torch.Tensor]:
         if op is ReduceOp.AVERAGE and not prescale:
             if buffer.is_floating_point():
                 buffer.div_(size)
-            else:  # as Horovod: an integer average is the sum floor-divided by the world size
-                buffer.floor_divide_(size)
+            else:  # as Horovod (its sum times 1/size, cast back): the sum divided, truncated toward zero
+                buffer.div_(size, rounding_mode="trunc")
         if direct:
             results[bucket.indices[0]] = tensors[bucket.indices[0]]
         elif inplace:
