@@ -18,41 +18,22 @@ contract:
   communication overlaps the rest of the backward pass.
 * :meth:`synchronize` launches what is left (a parameter without a gradient
   contributes zeros), waits for every bucket, and resets for the next step.
-* A ring's first step (and any step after the bucket plan changed, every step
-  while autotuning, and every step with ``strict_checks=True``) starts with
-  one 48-byte allreduce at its first gradient that checks that all ranks are at
-  the same point with the same parameters and bucket plan, and at the same
-  optimizer step (``applied_steps`` rides in it as a transaction id, compared
-  in a reducer's first ring and in rings on which it was re-based); it also
-  carries the autotuner's agreed numbers. Its answer is awaited on a helper
-  thread (:mod:`elastic_ring.reduction.verdict`), so backward never blocks on it; no
-  bucket is sent before it is yes. A mismatch therefore raises
-  :class:`TensorMismatchError` on every rank before any bucket of a mismatched
-  size is sent (gloo would abort the process).
-* Every other step has no collective of its own: the same agreement (plan,
-  step, boundary flag) rides as exact small integers at the end of the last
-  bucket (:mod:`elastic_ring.reduction.step_trailer`) and is read in
-  :meth:`synchronize`, before the update is applied. Ranks at different steps
-  (or with different plans of the same sizes) raise the full message on every
-  rank and the ring stays usable; a bucket that met another collective (slots
-  that are not this rank's plan) aborts the ring. On CUDA, a leading check
-  after a ring's first step (autotuning, a plan change, op Min/Max, a wire dtype
-  that cannot sum the world size exactly) does not hold the buckets back: its
-  verdict is read in :meth:`synchronize`; CPU waits for it, and so does
-  ``strict_checks=True`` everywhere.
+* Each step's ranks agree (same point, parameters, bucket plan, optimizer
+  step; a step boundary) before its update is applied: by a leading check at
+  its first gradient, read before any bucket goes out (or, on CUDA, in
+  :meth:`synchronize`), or by a trailer that rides in the last bucket
+  (:mod:`elastic_ring.reduction.agreement`). A mismatch raises
+  :class:`TensorMismatchError` on every rank.
 * A :class:`CommError` anywhere drops everything in flight and the buckets,
   sets every parameter's ``.grad`` to None (a retried step starts from clean
   gradients) and is tagged ``live_state_consistent = True``: it was raised
   before the wrapped optimizer applied anything. At world size 1 the hooks
   return at once and nothing is copied.
 * A new ring gets new buckets (and, with autotuning, a new tuning run).
-* ``join()`` (:mod:`elastic_ring.collectives.join`): a rank waiting there answers a step's leading check and
-  mirrors its buckets with zeros (the check's join plan lists them). Once a step's check saw a joined rank,
-  every later step of the ring leads with a check that is read before any bucket goes out (no trailer, no
-  deferral) until a check sees none; so a step is joinable if the ring's steps lead with a check when the
-  rank joins (``strict_checks=True``, or before the ring's first step): :func:`join_blockers` names the
-  optimizers for which they do not. When a join ends, the ranks' step counts differ: they are no longer
-  compared on that ring (:func:`after_join`) until the state layer re-bases them.
+* Consumed steps, step boundaries and pass weights:
+  :mod:`elastic_ring.reduction.step_accounting`. What ``join()`` asks of the
+  reducers (:func:`join_blockers`, :func:`after_join`):
+  :mod:`elastic_ring.reduction.joinable`.
 """
 
 from __future__ import annotations
@@ -66,40 +47,27 @@ import torch
 
 from ..backends.base import Communicator, Work
 from ..core import constants, timeline
-from ..core.errors import CommError, TensorMismatchError
+from ..core.errors import CommError
 from ..core.log import get_logger
 from ..core.ops import ReduceOp
 from ..ring import runtime
 from . import fusion, step_trailer
+from .agreement import StepAgreement
 from .autotune import AutotuneResult, Autotuner, distinct_candidates
 from .buckets import GradLayout
 from .compression import Compressor
-from .signature import PendingCheck, describe, exchange_message, signature_hash, start_check
+from .joinable import JoinAnswering, after_join, join_blockers
+from .signature import PendingCheck, describe, signature_hash, start_check
+from .step_accounting import StepAccounting
 from .verdict import VerdictWaiter
+
+__all__ = ["GradReducer", "after_join", "join_blockers"]
 
 _log = get_logger(__name__)
 
-#: Every live reducer of this process (join() asks them whether a joined rank could answer their steps).
-_live: "weakref.WeakSet[GradReducer]" = weakref.WeakSet()
 
-
-def join_blockers(comm: Communicator) -> list[str]:
-    """Why a rank of ``comm`` that joins now could not answer the next step of this process's optimizers
-    (their steps on ``comm`` ride in the last bucket or are deferred); empty when it could."""
-    return [reducer.join_blocker(comm) for reducer in list(_live) if reducer.join_blocker(comm) is not None]
-
-
-def after_join(comm: Communicator) -> None:
-    """Every rank of ``comm`` returned from join(): their applied-step counts differ now; stop comparing them
-    on this ring (a sync or restore re-bases them), and check the next step before its buckets."""
-    for reducer in list(_live):
-        reducer.joined_on(comm)
-
-
-class GradReducer:
-    #: Read the check's verdict in synchronize() instead of before the first bucket. On by itself
-    #: on CUDA after a ring's first step; tests set it to exercise that path over gloo.
-    defer_check_on_cpu = False
+class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
+    """Reduces the gradients of ``named_params`` across the current ring, overlapped with backward."""
 
     def __init__(
         self,
@@ -163,7 +131,7 @@ class GradReducer:
         self._use_plan(bucket_bytes)
         self._reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
-        _live.add(self)
+        self._track_for_join()
 
     # ------------------------------------------------------------ plan and state
     def _plan(self, bucket_bytes: int) -> list[fusion.Bucket]:
@@ -198,155 +166,16 @@ class GradReducer:
         self._in_flight: list[tuple[int, Work]] = []
 
     @property
-    def reduced_unapplied(self) -> bool:
-        """A step was reduced by synchronize() and neither applied nor skipped since (nothing new reduced)."""
-        return self._synced_pending and not self.pending
-
-    @property
     def pending(self) -> bool:
         """True between the first ready gradient of a step and its synchronize()."""
         return bool(self._in_flight) or any(r != self._passes for r in self._remaining)
-
-    def set_applied_steps(self, n: int) -> None:
-        """Re-base the applied-step count, agreed by every rank of the current ring (after a state sync or
-        restore): from now on this ring compares it in every step's check."""
-        self.applied_steps = n
-        with self._lock:  # a verdict helper of an abandoned step must not accept after this reset
-            self._reset()  # a step in flight when the state was synced or restored is discarded on every rank
-        self.micro_calls = 0
-        self._synced_pending = False  # a step reduced before the sync and not applied is discarded, not consumed
-        self._boundary_seen = False
-        self.boundary_due = False
-        comm = runtime.current_or_none()
-        self._armed_ref = weakref.ref(comm) if comm is not None else None
-        if comm is not None and self._comm_ref is not None and self._comm_ref() is comm:
-            self._step_armed = True
-
-    def join_blocker(self, comm: Communicator) -> str | None:
-        """Why a rank that joins ``comm`` now could not answer this optimizer's next step (None: it could)."""
-        if self._strict or self._join_active or self._comm_ref is None or self._comm_ref() is not comm:
-            return None
-        lean = self._agreed_digest == self._digest and (self._tuner is None or self._tuner.done) and self._trailer_fits()
-        if not lean and not self._deferred(comm):
-            return None  # its next step leads with a check that is read before any bucket goes out
-        return (f"this process has a DistributedOptimizer (strict_checks=False, {len(self._params)} parameters) "
-                f"that stepped on this ring")
-
-    def joined_on(self, comm: Communicator) -> None:
-        """A join ended on ``comm`` (see :func:`after_join`)."""
-        if self._comm_ref is not None and self._comm_ref() is comm:
-            self._step_armed = False
-            self._join_active = True
 
     def remove_hooks(self) -> None:
         for handle in self._hooks + self._pre_hooks:
             handle.remove()
         self._hooks, self._pre_hooks = [], []
 
-    # ------------------------------------------------------------ step bookkeeping
-    @property
-    def passes(self) -> int:
-        """Backward passes accumulated per step."""
-        return self._passes
-
-    def set_passes(self, passes: int) -> None:
-        """Change the backward passes per step (between steps only; every rank of a ring must agree)."""
-        if passes == self._passes:
-            return
-        if self.pending:
-            raise RuntimeError("backward passes per step can change only between steps, not after loss.backward()")
-        self._passes = passes
-        self._use_plan(self.bucket_bytes)
-        self._reset()
-        self.micro_calls = 0
-
-    def discard_step(self) -> None:
-        """Forget the step in flight (after a failure discarded it); in-flight buckets are dropped unwaited."""
-        with self._lock:
-            self._reset()
-        self._synced_pending = False
-        self.micro_calls = 0
-        for p in self._params:
-            p.grad = None
-
-    def set_pass_scale(self, share) -> None:
-        """Weight each backward pass by its share ``share(j) -> (n, total)`` of the step's samples (None: off)."""
-        if share is not None and self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"weighting backward passes needs op=Average or op=Sum, this optimizer reduces with "
-                             f"op={self._op.value}")
-        self.pass_scale = share
-        if share is not None and not self._pre_hooks:
-            self._pre_hooks = [p.register_hook(self._scale_pass) for p in self._params]
-        self._pass_factors = {}
-
-    def _scale_pass(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """A parameter's pre-accumulation hook: weight this backward pass's gradient by its share."""
-        scale = self.pass_scale
-        if scale is None:
-            return None
-        if self._synced_pending:  # a skipped step is consumed before this step's weights are read
-            self._skipped_if_pending()
-        j = self.micro_calls  # accumulate mode: step() follows every pass
-        factor = self._pass_factors.get(j)
-        if factor is None:  # once per pass and step, not per parameter
-            n, total = scale(j)
-            comm = runtime.current_or_none()
-            world = comm.size if comm is not None and self._op is ReduceOp.AVERAGE else 1
-            factor = self._pass_factors[j] = (n * world) / total  # one rounding: exact when representable
-        if factor == 1.0:
-            return None
-        return torch.zeros_like(grad) if factor == 0.0 else grad * factor
-
-    def note_applied(self) -> None:
-        """``step()`` applied the reduced gradients: count the step and tell the listeners."""
-        self.applied_steps += 1
-        self._synced_pending = False
-        self.micro_calls = 0
-        self._consumed(applied=True)
-
-    def _skipped_if_pending(self) -> None:
-        """A step reduced but never applied, and a new one begins: it was skipped (GradScaler did that)."""
-        if self._synced_pending:
-            self._synced_pending = False
-            self.micro_calls = 0
-            self._consumed(applied=False)
-
-    def _consumed(self, applied: bool) -> None:
-        for listener in list(self.step_listeners):
-            listener(self._passes, applied)
-
-    def take_boundary(self) -> None:
-        """After an applied step: a boundary is due when any rank asked for one in this step's check."""
-        comm = runtime.current_or_none()
-        if comm is None or comm.size == 1:  # no check runs: this rank decides alone
-            seen = bool(self.boundary_ask is not None and self.boundary_ask())
-        else:
-            seen, self._boundary_seen = self._boundary_seen, False
-        self.boundary_due = self.boundary_due or (seen and self.boundary_act is not None)
-
-    def run_boundary(self, in_step: bool = False) -> None:
-        """Run the due boundary's ``act()`` before the next step's work. ``in_step``: called from inside that
-        step (its backward or synchronize), where nothing of it was sent yet: if ``act()`` raises, the step's
-        gradients are dropped (the step is redone after the re-form); if it returns, the step goes on."""
-        if not self.boundary_due:
-            return
-        self.boundary_due = False
-        try:
-            self.boundary_act()
-        except BaseException:
-            if in_step:
-                self.discard_step()
-            raise
-
-    def _reduced(self) -> None:
-        self._synced_pending = True
-        for listener in list(self.reduced_listeners):
-            listener()
-
-    def settle_skipped(self) -> None:
-        """Count a step that was reduced and not applied as skipped now."""
-        self._skipped_if_pending()
-
+    # ------------------------------------------------------------ the ring
     def _bind(self, comm: Communicator) -> None:
         """Start using ``comm``: on a new ring, drop what was in flight, new buckets, tune again."""
         if self._comm_ref is not None and self._comm_ref() is comm:
@@ -375,30 +204,12 @@ class GradReducer:
         self._use_plan(size)
         self._reset()
 
-    def _trailer_fits(self) -> bool:
-        """Whether the last bucket's wire buffer has room for the step trailer (its size, every step)."""
-        return (self._op in (ReduceOp.AVERAGE, ReduceOp.SUM) and not self._strict and bool(self.buckets)
-                and step_trailer.supports(self.buckets[-1].wire_dtype, self._world))
-
     def _layout_for_step(self) -> GradLayout:
         if self._layout is None:
             self._layout = GradLayout(self._params, self.buckets, step_trailer.SLOTS if self._trailer_fits() else 0)
         return self._layout
 
-    def _deferred(self, comm: Communicator) -> bool:
-        """Whether buckets go out before this step's verdict, which is then read in synchronize()."""
-        if self._ring_steps == 0 or self._strict or self._join_active:
-            return False  # a ring's first step checks first: different models fail with a full message
-        return not self._on_cpu or self.defer_check_on_cpu
-
-    def _agree_in_bucket(self) -> bool:
-        """Whether this step's agreement rides in its last bucket instead of a leading check: after a leading
-        check of this ring agreed on the current plan, once autotuning is done, unless ``strict_checks``, and
-        when the last bucket's wire dtype sums the slots exactly (op Average or Sum). The same on every rank."""
-        return (not self._strict and not self._join_active and self._agreed_digest == self._digest
-                and (self._tuner is None or self._tuner.done) and self._layout_for_step().trailer is not None)
-
-    # ------------------------------------------------------------ hooks
+    # ------------------------------------------------------------ hooks and bucket launching
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.boundary_due:  # nobody ran it before this step's forward: run it now, before anything is sent
             self.run_boundary(in_step=True)
@@ -466,74 +277,6 @@ class GradReducer:
         else:
             self._check = check
 
-    def _launch_gated(self) -> None:
-        """Before another collective is checked (the loop's own, between backward() and step()): let the helper
-        launch the buckets that wait for this step's verdict, so that they precede it on every rank (which
-        buckets are ready is the same on every rank once backward is done). What the verdict met is raised later
-        by the hooks or synchronize()."""
-        waiter = self._verdict
-        if waiter is None or waiter.done:
-            return
-        try:
-            waiter.settle()
-        except CommError:
-            pass  # the deadline passed: synchronize() raises it
-
-    def _on_verdict(self, comm: Communicator, waiter: VerdictWaiter, values: list[int]) -> None:
-        """On the helper thread, once every rank said yes: launch what became ready meanwhile."""
-        with self._lock:
-            if self._verdict is not waiter:  # this step was abandoned (a failure, a new ring)
-                return
-            self._accept(values, waiter.joined)
-            self._launch_ready(comm)
-
-    def _accept(self, values: list[int], joined: list[int]) -> None:
-        self._verified = True
-        self._join_active = bool(joined)  # while a rank waits in join(), every step leads with a check
-        self._agreed_digest = self._check_digest
-        self._boundary_seen = bool(values[1])
-        if self._tuner is not None:
-            self._tuner.incoming(values[0])
-
-    def _raise_if_verdict_failed(self) -> None:
-        """Raise, on the training thread, what the helper thread met (nothing was sent before its answer)."""
-        waiter = self._verdict
-        if waiter is None or not waiter.done or waiter.error is None:
-            return
-        self._reset()
-        raise waiter.error
-
-    def _finish_check(self, comm: Communicator) -> None:
-        """The verdict must be yes before data that depends on it moves (deferred: before the step's results are used)."""
-        if self._verified:
-            return
-        check, self._check = self._check, None
-        assert check is not None, "a step's check is started before its first launch"
-        deferred = bool(self._in_flight)
-        started = time.perf_counter()
-        try:
-            values = check.finish(exchange=not deferred)
-        except TensorMismatchError:
-            self._after_mismatch(comm, check)
-            raise
-        self.check_wait_s += time.perf_counter() - started
-        self._accept(values, check.joined)
-
-    def _after_mismatch(self, comm: Communicator, check: PendingCheck) -> None:
-        """Buckets launched before a deferred verdict may not match the peers' (a different model, an
-        extra collective). If only the steps differ the buckets matched: drain them, then swap
-        descriptions so every rank's message lists every rank's step. Otherwise abort the ring."""
-        in_flight = self._in_flight
-        self._reset()
-        if not in_flight:
-            return
-        if check.same_call:
-            for _, work in in_flight:
-                work.wait()
-            raise TensorMismatchError(check.exchange_message()) from None
-        self._layout = None
-        comm.abort()
-
     def _ready_one(self, i: int, comm: Communicator) -> bool:
         """Parameter ``i``'s gradient is final for this step: move it into its view (a large one now,
         small ones together once their bucket is complete) and count it. True: its bucket is complete."""
@@ -574,39 +317,6 @@ class GradReducer:
         if self._in_bucket and b == len(self.buckets) - 1:
             self._fill_trailer(layout)
         self._in_flight.append((b, layout.launch(b, comm, base_op, cast_divisor)))
-
-    def _fill_trailer(self, layout: GradLayout) -> None:
-        """Write this rank's agreement (plan, step, boundary flag) behind the last bucket's gradients."""
-        boundary = bool(self.boundary_ask is not None and self.boundary_ask())
-        values = step_trailer.encode(self._digest, self.applied_steps if self._step_armed else None, boundary)
-        trailer = layout.trailer
-        host = torch.tensor(values, dtype=trailer.dtype)
-        if trailer.device.type == "cuda":  # no host wait: from pinned memory, ordered before the bucket's launch
-            host = host.pin_memory()
-            trailer.copy_(host, non_blocking=True)
-            self._trailer_host = host  # alive until the copy ran (the step's end waits on the device anyway)
-        else:
-            trailer.copy_(host)
-
-    def _read_trailer(self, comm: Communicator, layout: GradLayout) -> None:
-        """After the last bucket: every rank reads the same sums, so all agree, or all raise the same way."""
-        step = self.applied_steps if self._step_armed else None
-        verdict = step_trailer.decode(layout.trailer.tolist(), comm.size, self._digest, step)
-        if verdict.agreed:
-            self._boundary_seen = verdict.boundary
-            return
-        if verdict.foreign or not verdict.same_plan:  # a bucket met another collective: the ring is not trusted
-            self._layout = None
-            comm.abort()
-            raise TensorMismatchError(
-                f"{self._kind}: the step's last gradient bucket met a different collective on some rank (a "
-                "collective called by only some ranks, or ranks with different models); this was found by the "
-                "agreement carried in that bucket, after the buckets were sent, so the ring was aborted. Every "
-                "rank must make the same calls in the same order; DistributedOptimizer(strict_checks=True) checks "
-                "before sending anything and names the call each rank made")
-        # only the steps differ (the plan is this rank's on every rank): the buckets matched, the ring is usable
-        raise TensorMismatchError(exchange_message(comm, self._kind, self._entries, step,
-                                                   comm.spec.collective_timeout_s))
 
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
