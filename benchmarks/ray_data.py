@@ -20,7 +20,6 @@ configurations alternate run by run; the medians and the ratios to Ray Train are
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import pathlib
 import statistics
@@ -130,13 +129,11 @@ def measure_ray_train(ds, args, storage: str) -> float:
 
 def check_ready(parser: argparse.ArgumentParser, args) -> None:
     """Fail before running anything when something the benchmark needs is missing."""
-    for module, what in (("ray.data", "Ray Data"), ("ray.train.torch", "Ray Train's TorchTrainer"),
-                         ("ray_integration.data", "elastic_ring's Ray Data input")):
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            parser.exit(2, f"ray_data: {what} ({module}) does not import here ({exc}); install it: "
-                           "pip install -e '.[test]' (ray[train,data])\n")
+    from benchmarks._needs import INSTALL, require
+
+    for module, why in (("ray.data", "the dataset and both readers"), ("ray.train.torch", "the Ray Train baseline"),
+                        ("ray_integration.data", "our shard")):
+        require(module, benchmark="ray_data", why=why, install=INSTALL["ray.train"].replace("train", "train,data"))
     if args.epochs < 2:
         parser.exit(2, f"ray_data: --epochs {args.epochs}: the first epoch is a warm-up; give at least 2\n")
     if args.rows < args.workers * args.batch:
