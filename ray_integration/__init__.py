@@ -41,12 +41,12 @@ from .trainer import ElasticTrainer
 from .worker import WorkerError
 
 
-def get_dataset_shard(name: str):
-    """Ray Train's ``get_dataset_shard(name)``: this worker's part of ``ElasticTrainer(datasets={name: ...})``
-    (see :mod:`ray_integration.data`)."""
+def get_dataset_shard(name: str, **options):
+    """Ray Train's ``get_dataset_shard(name)``: this worker's part of ``ElasticTrainer(datasets={name: ...})``;
+    ``options`` as :func:`ray_integration.data.get_dataset_shard` takes them (imported when first called)."""
     from .data import get_dataset_shard as shard
 
-    return shard(name)
+    return shard(name, **options)
 
 
 __all__ = ["ElasticTrainer", "Event", "Result", "RunFailed", "TrainContext", "TrainerConfig", "WorkerError",
