@@ -54,3 +54,27 @@ def test_start_and_stop_timeline_write_rank_0s_collectives_as_a_chrome_trace(rin
     assert all(e["args"]["rank"] == 0 for e in one + two if "rank" in e.get("args", {}))  # rank 0's file
     begins = [e for e in one if e["ph"] == "b"]
     assert begins and all(any(x["ph"] == "e" and x["id"] == b["id"] for x in one) for b in begins)
+
+
+def _record_while_the_job_records(path: str):
+    hvd.init()
+    er.timeline.enable()  # as ElasticTrainer(timeline_path=...) does
+    er.timeline.drain()
+    try:
+        hvd.start_timeline(path)
+        hvd.allreduce(torch.ones(3), name="shared")
+        hvd.stop_timeline()
+        still_on = er.timeline.is_enabled()
+        job_events, _ = er.timeline.drain()
+    finally:
+        er.timeline.disable()
+    return still_on, sum(1 for e in job_events if e.get("cat") == "collective")
+
+
+def test_the_jobs_own_timeline_keeps_every_event_while_hvd_records(ring, tmp_path):
+    path = tmp_path / "shared.json"
+    results = ring.run(_record_while_the_job_records, str(path), world_size=2, timeout_s=60)
+    for still_on, collectives in results:
+        assert still_on and collectives >= 2  # the job's buffer still got them (begin and end at least)
+    recorded = [e for e in _events(path) if e.get("cat") == "collective"]
+    assert len(recorded) == results[0][1]  # rank 0's file: the same collective events as its buffer

@@ -6,13 +6,12 @@ them as one Chrome-trace JSON file (the format of ``ElasticTrainer(timeline_path
 :mod:`ray_integration.timeline_file`; open it in https://ui.perfetto.dev or chrome://tracing). The other ranks
 record nothing. ``mark_cycles`` is accepted: elastic_ring has no background cycle to mark, so it adds no events.
 
-The events are copied as they are recorded (a tee on the timeline's buffer), so the job's own timeline, when
-``ElasticTrainer(timeline_path=...)`` turned it on, still gets every event too.
+The events are copied as they are recorded (a timeline listener, :func:`elastic_ring.core.timeline.add_listener`),
+so the job's own timeline, when ``ElasticTrainer(timeline_path=...)`` turned it on, still gets every event too.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import pathlib
 import socket
@@ -36,17 +35,9 @@ class _Recording:
         self.path, self.enabled_here = path, enabled_here
         self.events: list[dict[str, Any]] = []
 
-
-class _Tee(collections.deque):
-    """The timeline's buffer, also handing each event to the recording (appends happen under its lock)."""
-
-    def __init__(self, events: collections.deque, recording: _Recording) -> None:
-        super().__init__(events, maxlen=events.maxlen)
-        self.recording = recording
-
-    def append(self, event: dict[str, Any]) -> None:
-        super().append(event)
-        self.recording.events.append(event)
+    def __call__(self, event: dict[str, Any]) -> None:
+        """The timeline listener: keep the event."""
+        self.events.append(event)
 
 
 def _check_path(file_path: Any) -> pathlib.Path:
@@ -75,8 +66,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         if _Recording.current is not None:
             _stop_locked()
         recording = _Recording(path, enabled_here=not _timeline.is_enabled())
-        with _timeline._lock:
-            _timeline._events = _Tee(_timeline._events, recording)
+        _timeline.add_listener(recording)
         if recording.enabled_here:
             _timeline.enable()
         _Recording.current = recording
@@ -93,8 +83,7 @@ def stop_timeline() -> None:
 def _stop_locked() -> None:
     recording = _Recording.current
     _Recording.current = None
-    with _timeline._lock:
-        _timeline._events = collections.deque(_timeline._events, maxlen=_timeline._events.maxlen)
+    _timeline.remove_listener(recording)
     if recording.enabled_here:
         _timeline.disable()  # ours: the events nobody else drains go too
     trace = TimelineFile(recording.path)
