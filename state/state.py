@@ -38,10 +38,14 @@ from .checkpoint_errors import CheckpointError
 from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointStore
 from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
-from .handlers import OptimizerHandler, handler_for
+from .handlers import OptimizerHandler, StateDictHandler, handler_for
 from .recovery import CONSISTENT, DIRTY, Mode, RankStatus, SyncDecision, decide_sync, failure_trust
 from .sampler import ElasticSampler
 from .step_link import StepLink, is_distributed_optimizer
+from .stream import ElasticStream
+
+#: The positions a State links to its optimizer's steps and re-cuts at every re-form.
+_POSITIONS = (ElasticSampler, ElasticStream)
 
 _log = get_logger(__name__)
 
@@ -100,7 +104,7 @@ class State:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or name == "resumed_from":
             raise AttributeError(f"state value names may not start with '_' or be 'resumed_from': {name!r}")
-        self._handlers[name] = handler_for(value)
+        self._handlers[name] = StateDictHandler(value) if isinstance(value, ElasticStream) else handler_for(value)
 
     # ------------------------------------------------------------ the step link
     def _relink(self) -> None:
@@ -108,7 +112,7 @@ class State:
         when it holds exactly one ElasticSampler (:mod:`state.step_link`); unlink when that no longer holds."""
         values = [h.value for h in self._handlers.values()]
         optimizers = [v for v in values if is_distributed_optimizer(v)]
-        samplers = [v for v in values if isinstance(v, ElasticSampler)]
+        samplers = [v for v in values if isinstance(v, _POSITIONS)]
         modules = [v for v in values if isinstance(v, torch.nn.Module)]
         sampler = samplers[0] if len(samplers) == 1 else None
         wants_global = [s for s in samplers if s.global_batch_size is not None]
@@ -315,7 +319,7 @@ class State:
         rank, world = er.rank(), er.size()
         for handler in self._handlers.values():
             sampler = handler.value
-            if isinstance(sampler, ElasticSampler) and (sampler._rank, sampler._world) != (rank, world):
+            if isinstance(sampler, _POSITIONS) and (sampler._rank, sampler._world) != (rank, world):
                 sampler.reset(rank, world)  # a linked sampler's re-partition sizes the optimizer's next step
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
@@ -328,7 +332,7 @@ class State:
     def on_reset(self) -> None:
         """Called by the elastic loop after the ring is re-formed."""
         for handler in self._handlers.values():
-            if isinstance(handler.value, ElasticSampler):
+            if isinstance(handler.value, _POSITIONS):
                 handler.value.reset()  # a linked sampler's re-partition sizes the optimizer's next step
         for cb in self._reset_callbacks:
             cb()

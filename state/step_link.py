@@ -10,7 +10,8 @@ exactly one :class:`~state.ElasticSampler`, the sampler:
   the previous step (one step's worth whether it records before or after ``step()``, plus any
   batch it skipped without a step), or ``backward_passes_per_step`` batches when it has not
   acknowledged any yet. ``record_batch()`` itself moves nothing, so it may sit before or after
-  ``optimizer.step()``. A rank's applied steps and its sampler's
+  ``optimizer.step()``. An :class:`~state.ElasticStream` (an ``IterableDataset``) is linked the same
+  way: a step consumes its ``world * batch_size`` items. A rank's applied steps and its sampler's
   position therefore agree at every point outside the apply itself: wherever a collective of
   the training loop fails (a gradient bucket, the step's check, a flag or a loss allreduce of
   the user's own), the rank's state is whole, and the ring continues from the newest live
@@ -38,6 +39,7 @@ from elastic_ring.core.log import get_logger
 
 from . import membership
 from .sampler import ElasticSampler
+from .stream import ElasticStream
 
 _log = get_logger(__name__)
 
@@ -59,7 +61,7 @@ class StepLink:
     the sampler twice per step, and closing either link would undo the other's boundary).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sampler: ElasticSampler | None,
+    def __init__(self, optimizer: torch.optim.Optimizer, sampler: ElasticSampler | ElasticStream | None,
                  modules: list[torch.nn.Module], at_boundary: Callable[[], None]) -> None:
         owner = getattr(optimizer, "_er_step_link", None)
         if owner is not None:
