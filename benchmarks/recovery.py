@@ -159,7 +159,7 @@ def measure_ours(step_delay_s: float, commit_every: int, trainer_kwargs: dict) -
         killed_text, killed_step = pathlib.Path(kill_file).read_text().split()
         firsts = [json.loads(pathlib.Path(p).read_text()) for p in glob.glob(os.path.join(tmp, "first-*.json"))]
     by_round: dict[int, list[dict]] = {}
-    for m in result.metrics:
+    for m in result.metrics_history:
         if "position" in m:
             by_round.setdefault(m["round"], []).append(m)
     gaps = [b["time"] - a["time"] for ms in by_round.values() for a, b in zip(ms, ms[1:])]

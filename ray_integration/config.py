@@ -135,8 +135,10 @@ class TrainerConfig:
         if not LEASE_TTL_RANGE_S[0] <= self.lease_ttl_s <= LEASE_TTL_RANGE_S[1]:
             raise ValueError(
                 f"ElasticTrainer lease_ttl_s={self.lease_ttl_s} must be in [{LEASE_TTL_RANGE_S[0]:g}, "
-                f"{LEASE_TTL_RANGE_S[1]:g}] seconds: the lease is renewed every lease_ttl_s / 5 and counts as lost "
-                "only after renewals failed for lease_ttl_s; a crashed run's successor waits lease_ttl_s to take over")
+                f"{LEASE_TTL_RANGE_S[1]:g}] seconds: on an object store (s3://, gs://) the lease is renewed every lease_ttl_s / 5, counts as lost "
+                "only after renewals failed for lease_ttl_s, and a crashed run's successor waits lease_ttl_s to take "
+                "over; on a file system (an OS lock) lease_ttl_s / 5 is how long a second run waits for the lock "
+                "and how often the holder checks it")
         if self.checkpoint_uri is None:
             for name in ("checkpoint_every_n_commits", "checkpoint_every_s"):
                 if getattr(self, name) is not None:

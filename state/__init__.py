@@ -42,13 +42,14 @@ from .membership import (
     TrainingStopped, clear_membership_change, membership_change_requested, request_membership_change, request_stop,
 )
 from .sampler import ElasticSampler
-from .state import State, set_default_checkpointing, set_resume_listener
+from .stream import ElasticStream
+from .state import State, default_checkpointing, set_default_checkpointing, set_resume_listener
 from .torch_state import ObjectState, TorchState
 
 __all__ = [
     "CheckpointConfig", "CheckpointCorrupt", "CheckpointError", "CheckpointLeaseLost", "CheckpointLease", "CheckpointRefused",
-    "CheckpointStore", "ElasticSampler", "ObjectState", "ReportedCheckpoints", "State", "TorchState", "TrainingStopped",
-    "check_checkpoint_uri", "clear_membership_change", "flush_checkpoints", "membership_change_requested",
+    "CheckpointStore", "ElasticSampler", "ElasticStream", "ObjectState", "ReportedCheckpoints", "State", "TorchState", "TrainingStopped",
+    "check_checkpoint_uri", "clear_membership_change", "default_checkpointing", "flush_checkpoints", "membership_change_requested",
     "request_membership_change", "request_stop", "set_checkpoint_listener", "set_default_checkpointing",
     "set_resume_listener",
 ]

@@ -45,8 +45,10 @@ class CheckpointPruneError(CheckpointError):
 class CheckpointLeaseLost(CheckpointError):
     """This run no longer holds the lease on its checkpoint location.
 
-    ``reason`` is ``"taken_over"`` (another run created a newer generation), ``"expired"`` (no renewal
-    succeeded for the lease's whole ``ttl_s``, so another run may take over at any moment) or
+    ``reason`` is ``"taken_over"`` (another run created a newer generation on an object store, or another run's
+    record replaced this one's beside a file lock), ``"expired"`` (object stores: no renewal succeeded for the
+    lease's whole ``ttl_s``, so another run may take over at any moment), ``"lock_file_replaced"`` (file systems:
+    the lock file was removed or replaced, so the OS lock no longer guards the location) or
     ``"renewal_thread_died"``. ``silent_s`` is the time since the last successful renewal began,
     ``attempts`` the renewals that failed since, ``last_error`` the last one's error (or None),
     ``other_run`` the run that took over (``"taken_over"`` only)."""

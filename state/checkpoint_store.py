@@ -2,7 +2,8 @@
 
 Layout under the root URI (see ``docs/checkpoints.md``)::
 
-    LEASE-000000000003.json           the lease of the run that holds the location (checkpoint_lease.py)
+    LEASE.lock, LEASE.json            file systems: the OS lock and its holder's record (lease_file.py)
+    LEASE-000000000003.json           object stores: the lease's current generation (lease_object_store.py)
     ckpt-000000000007/CLAIM.json      run id of the writer; its conditional create claims number 7
     ckpt-000000000007/data.pt         the state tree, streamed by torch.save (hashed on the way)
     ckpt-000000000007/MANIFEST.json   format, seq, run id, size and sha256 of data.pt, meta; written last

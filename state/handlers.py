@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .sampler import ElasticSampler
+from .stream import ElasticStream
 from .snapshot import SnapshotBuffer, copy_tree
 
 
@@ -125,7 +126,7 @@ def handler_for(value: Any) -> Handler:
         return ModuleHandler(value)
     if isinstance(value, torch.optim.Optimizer):
         return OptimizerHandler(value)
-    if isinstance(value, (torch.optim.lr_scheduler.LRScheduler, ElasticSampler)):
+    if isinstance(value, (torch.optim.lr_scheduler.LRScheduler, ElasticSampler, ElasticStream)):
         return StateDictHandler(value)
     try:
         copy.deepcopy(value)

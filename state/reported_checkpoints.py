@@ -47,9 +47,9 @@ _log = get_logger(__name__)
 def default_config() -> CheckpointConfig | None:
     """The checkpointing this process was given by the worker runtime (``ElasticTrainer``'s checkpoint options:
     location, keep_last, run id), or None when the run has no ``checkpoint_uri``."""
-    from . import state as state_module  # the module-level setting of set_default_checkpointing
+    from .state import default_checkpointing  # (state.py imports the samplers, torch: only when asked)
 
-    return state_module._default_checkpointing
+    return default_checkpointing()
 
 
 class ReportedCheckpoints:

@@ -82,7 +82,7 @@ def check_sampler_args(dataset: Sized | int, shuffle: bool, seed: int) -> int:
     """The dataset's size, after checking what every elastic sampler takes (a dataset or its size, the order)."""
     if isinstance(dataset, torch.utils.data.IterableDataset) and not hasattr(dataset, "__len__"):
         raise TypeError(f"ElasticSampler needs a dataset with len() and [i]; {type(dataset).__name__} is an "
-                        "IterableDataset: use ElasticStream(dataset, batch_size) from state.stream instead (its position must be "
+                        "IterableDataset: use state.ElasticStream(dataset, batch_size) instead (its position must be "
                         "savable: state_dict() / load_state_dict(), as torchdata's StatefulDataLoader expects)")
     if is_int(dataset):
         size = dataset

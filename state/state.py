@@ -38,7 +38,7 @@ from .checkpoint_errors import CheckpointError
 from .checkpoint_policy import CheckpointConfig
 from .checkpoint_store import CheckpointStore
 from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
-from .handlers import OptimizerHandler, StateDictHandler, handler_for
+from .handlers import OptimizerHandler, handler_for
 from .recovery import CONSISTENT, DIRTY, Mode, RankStatus, SyncDecision, decide_sync, failure_trust
 from .sampler import ElasticSampler
 from .step_link import StepLink, is_distributed_optimizer
@@ -63,6 +63,11 @@ def set_resume_listener(listener: Callable[[dict], None] | None) -> None:
     """Call ``listener(info)`` whenever a State of this process resumes from a checkpoint."""
     global _resume_listener
     _resume_listener = listener
+
+
+def default_checkpointing() -> CheckpointConfig | None:
+    """The checkpointing States of this process get by default (:func:`set_default_checkpointing`), or None."""
+    return _default_checkpointing
 
 
 def set_default_checkpointing(config: CheckpointConfig | None) -> None:
@@ -104,7 +109,7 @@ class State:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or name == "resumed_from":
             raise AttributeError(f"state value names may not start with '_' or be 'resumed_from': {name!r}")
-        self._handlers[name] = StateDictHandler(value) if isinstance(value, ElasticStream) else handler_for(value)
+        self._handlers[name] = handler_for(value)
 
     # ------------------------------------------------------------ the step link
     def _relink(self) -> None:

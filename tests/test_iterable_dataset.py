@@ -112,7 +112,7 @@ def test_an_iterable_dataset_without_a_savable_position_is_refused_with_the_fix(
     with pytest.raises(TypeError, match=r"NotStateful has no state_dict or load_state_dict.*torchdata's "
                                         r"StatefulDataLoader"):
         ElasticStream(NotStateful(), batch_size=2)
-    with pytest.raises(TypeError, match=r"NotStateful is an IterableDataset: use ElasticStream\(dataset, batch_size\) from state.stream"):
+    with pytest.raises(TypeError, match=r"NotStateful is an IterableDataset: use state.ElasticStream\(dataset, batch_size\) instead"):
         ElasticSampler(NotStateful(), batch_size=2)
     with pytest.raises(ValueError, match="batch_size"):
         ElasticStream(Numbers(3), batch_size=0)

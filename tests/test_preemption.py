@@ -123,8 +123,8 @@ def test_sigterm_writes_a_final_checkpoint_and_returns_a_stopped_result(job):
 
 
 def test_the_trainer_holds_its_checkpoint_location_for_lease_ttl_s(tmp_path):
-    """A successor of a run that died takes over after the run's lease_ttl_s of silence: the trainer's lease
-    is built with that option (the resume above runs with lease_ttl_s=5)."""
+    """The trainer's lease is built with its lease_ttl_s option (on an object store a successor of a run that
+    died takes over after that much silence; on a file system the OS frees a dead run's lock at once)."""
     from ray_integration import ElasticTrainer
     from state.checkpoint_lease import read_holder
     from state.checkpoint_io import Location
