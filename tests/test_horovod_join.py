@@ -1,7 +1,8 @@
 """``hvd.join()``: Horovod's join tests (test/parallel/test_torch.py: test_horovod_join_allreduce, _allgather,
-_broadcast) through the hvd module, on real gloo rings, and where our semantics differ from Horovod's (an
-allgather with a joined rank gathers no rows from it instead of failing; a broadcast fails only when its root
-joined), that difference; and uneven batches through ``hvd.DistributedOptimizer(strict_checks=True)``."""
+_broadcast) through the hvd module, on real gloo rings: as in Horovod, every hvd allgather and broadcast raises
+on its callers while a rank has joined (elastic_ring's own ``er.allgather`` / ``er.broadcast``, which answer a
+joined rank, are checked on the same rings); and uneven batches through
+``hvd.DistributedOptimizer(strict_checks=True)``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 import torch
 
+import elastic_ring as er
 import ray_integration.horovod as hvd
 
 _INTEGRAL = (torch.int32, torch.int64)
@@ -54,51 +56,120 @@ def test_horovod_join_allreduce(ring):
         assert every == [returns] * 3  # the same value on each rank
 
 
+def _refused(call) -> str | None:
+    """What ``call()`` raised (Horovod's test catches RuntimeError), or None when it ran."""
+    try:
+        call()
+    except RuntimeError as exc:
+        return "cannot run while a rank has joined" in str(exc) and type(exc).__name__
+    return None
+
+
 def _join_allgather():
+    """Horovod's test_horovod_join_allgather, with the other forms of the call and elastic_ring's own after."""
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    out = []
+    tensor = torch.FloatTensor(*([17] * 3))
+    caught, returns = [], []
     for first in range(size):
         if rank == first:
             ret = hvd.join()
         else:
-            gathered = hvd.allgather(torch.full((2, 17), float(rank)))
-            out.append(gathered[:, 0].tolist())
+            caught.append([
+                _refused(lambda: hvd.allgather(tensor)),
+                _refused(lambda: hvd.synchronize(hvd.allgather_async(tensor, name="joined.async"))),
+                _refused(lambda: hvd.grouped_allgather([tensor, tensor])),
+                _refused(lambda: hvd.allgather_object({"rank": rank})),
+            ])
             ret = hvd.join()
-        out.append(ret)
-    return out
+        returns.append((first, ret))
+    # elastic_ring's own allgather, on the same ring: no rows from a joined rank (the hvd scope did not leak)
+    if rank == 0:
+        er_rows = hvd.join()
+    else:
+        er_rows = er.allgather(torch.full((2, 1), float(rank)), name="er.rows").view(-1).tolist()
+        hvd.join()
+    return caught, returns, hvd.allgather_object(returns), er_rows
 
 
-def test_horovod_join_allgather_gathers_no_rows_from_a_joined_rank(ring):
-    """Horovod fails this allgather ("Allgather is not supported with Join at this time"); here the joined rank
-    contributes no rows."""
-    results = ring.run(_join_allgather, world_size=2, timeout_s=60)
-    assert results == [[1, [0.0, 0.0], 0], [[1.0, 1.0], 1, 0]]
+def test_horovod_join_allgather_raises_on_the_callers_while_the_joined_rank_waits(ring):
+    """Horovod's test: with a rank joined, hvd.allgather (and its forms) raise RuntimeError on the ranks that call
+    it; they then join, and join() returns the same rank everywhere, never the first joiner."""
+    results = ring.run(_join_allgather, world_size=3, timeout_s=90)
+    for rank, (caught, returns, every, er_rows) in enumerate(results):
+        assert caught == [["TensorMismatchError"] * 4] * 2
+        assert every == [returns] * 3 and all(ret != first for first, ret in returns)
+        if rank:
+            assert er_rows == [1.0, 1.0, 2.0, 2.0]
 
 
 def _join_broadcast():
+    """Horovod's test_horovod_join_broadcast (each caller passes its own rank as root: a root that has not
+    joined), then a root the callers agree on, the other forms, and elastic_ring's own broadcast after."""
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    tensor = torch.FloatTensor(*([17] * 3)).fill_(float(rank))
     caught, returns = [], []
     for first in range(size):
         if rank == first:
             ret = hvd.join(hvd.local_rank())
         else:
-            try:
-                hvd.broadcast(torch.ones(17, 17, 17), first, name="test_horovod_join_broadcast")
-                caught.append(None)
-            except RuntimeError as exc:  # Horovod's test catches (torch.FatalError, RuntimeError)
-                caught.append("root, rank" in str(exc))
+            root = (first + 1) % size  # has not joined
+            caught.append([
+                isinstance(_raised(lambda: hvd.broadcast(tensor, rank, name="test_horovod_join_broadcast")),
+                           RuntimeError),
+                _refused(lambda: hvd.broadcast(tensor, root)),
+                _refused(lambda: hvd.broadcast_(tensor.clone(), root)),
+                _refused(lambda: hvd.synchronize(hvd.broadcast_async(tensor, root, name="joined.async"))),
+                _refused(lambda: hvd.broadcast_object({"rank": rank}, root)),
+                _refused(lambda: hvd.broadcast_parameters({"w": tensor.clone()}, root)),
+            ])
             ret = hvd.join()
         returns.append(ret)
-    return caught, returns, hvd.allgather_object(returns)
+    # elastic_ring's own broadcast from a root that has not joined still runs with rank 0 joined
+    if rank == 0:
+        er_value = hvd.join()
+    else:
+        er_value = float(er.broadcast(torch.tensor([float(rank)]), 1, name="er.broadcast"))
+        hvd.join()
+    return caught, returns, hvd.allgather_object(returns), er_value
 
 
-def test_horovod_join_broadcast_from_a_joined_root_fails(ring):
-    results = ring.run(_join_broadcast, world_size=3, timeout_s=60)
-    for caught, returns, every in results:
-        assert caught == [True, True]
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
+        return exc
+    return None
+
+
+def test_horovod_join_broadcast_raises_on_the_callers_while_the_joined_rank_waits(ring):
+    results = ring.run(_join_broadcast, world_size=3, timeout_s=90)
+    for rank, (caught, returns, every, er_value) in enumerate(results):
+        assert caught == [[True] + ["TensorMismatchError"] * 5] * 2
         assert every == [returns] * 3 and all(ret != first for first, ret in enumerate(returns))
+        if rank:
+            assert er_value == 1.0
+
+
+def _horovod_join_broadcast_two_ranks():
+    """Horovod's case exactly, on two ranks: the only caller broadcasts from itself (it has not joined)."""
+    hvd.init()
+    rank = hvd.rank()
+    out = []
+    for first in range(2):
+        if rank == first:
+            ret = hvd.join()
+        else:
+            out.append(_refused(lambda: hvd.broadcast(torch.ones(17, 17, 17), rank, name="join_broadcast")))
+            ret = hvd.join()
+        out.append(ret)
+    return out
+
+
+def test_horovod_join_broadcast_from_the_only_caller_itself_raises(ring):
+    assert ring.run(_horovod_join_broadcast_two_ranks, world_size=2, timeout_s=60) == [
+        [1, "TensorMismatchError", 0], ["TensorMismatchError", 1, 0]]
 
 
 def _lean_optimizer_then_join():

@@ -99,6 +99,7 @@ def _allgather_broadcast_barrier():
     out = {}
     if rank == 0:
         out["join"] = er.join()
+        out["objects_after"] = er.allgather_object(rank), er.broadcast_object(rank, root_rank=0)
         return out
     out["gathered"] = er.allgather(torch.full((rank, 2), float(rank))).tolist()
     out["bcast"] = er.broadcast(torch.full((3,), float(rank)), root_rank=2).tolist()
@@ -119,6 +120,9 @@ def _allgather_broadcast_barrier():
         out["mismatch"] = str(exc)
     out["after"] = er.allreduce(torch.ones(2), op="sum").tolist()  # the ring is still usable
     out["join"] = er.join()
+    # the joined rank answered broadcast_object: its object collectives' sequence numbers (bound into their
+    # MACs) stayed in step with the others', so the next ones authenticate
+    out["objects_after"] = er.allgather_object(rank), er.broadcast_object(rank, root_rank=0)
     return out
 
 
@@ -127,6 +131,7 @@ def test_allgather_broadcast_barrier_and_errors_with_a_joined_rank(ring):
     results = ring.run(_allgather_broadcast_barrier, world_size=3, timeout_s=60)
     assert time.monotonic() - started < 30  # no error waited for a timeout
     assert [r["join"] for r in results] == [2, 2, 2]
+    assert [r["objects_after"] for r in results] == [([0, 1, 2], 0)] * 3
     for rank in (1, 2):
         out = results[rank]
         assert out["gathered"] == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]  # no rows from the joined rank 0

@@ -3,12 +3,16 @@
 :func:`agree` runs the signature check of :mod:`elastic_ring.reduction.signature` so that a bad argument on
 *one* rank makes every rank raise (the ring stays usable), and hands the check the call's join plan (what a
 rank waiting in ``join()`` mirrors). :func:`refuse` is its form for a rank whose arguments are invalid.
+:func:`unanswerable_while_joined` scopes calls whose join plans say "cannot be answered" (the hvd layer's
+allgathers and broadcasts, refused while a rank has joined, as Horovod's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
-from typing import Any, NoReturn, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 import torch
 
@@ -38,6 +42,27 @@ def loose_entries(tensors: Any, label: str) -> list[tuple[str, str]]:
     return [(label, f"<{type(tensors).__name__}>")]
 
 
+#: Inside :func:`unanswerable_while_joined`: why its calls cannot run while a rank has joined (None: outside).
+_UNANSWERABLE: contextvars.ContextVar[str | None] = contextvars.ContextVar("elastic_ring_unanswerable_while_joined",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def unanswerable_while_joined(reason: str) -> Iterator[None]:
+    """Within the block (this thread or task only), every collective's join plan is "cannot be answered": while a
+    rank waits in ``join()``, the ranks that call it raise :class:`TensorMismatchError` (a ``RuntimeError``)
+    whose message starts with ``reason``, and the joined ranks go on waiting; the ring stays usable. With no
+    rank joined the calls run as usual. The hvd layer scopes its allgathers and broadcasts so, as Horovod
+    refuses them while a rank has joined (``elastic_ring``'s own answer them)."""
+    if not isinstance(reason, str) or not reason:
+        raise ValueError(f"unanswerable_while_joined(reason={reason!r}): reason must be a non-empty string")
+    token = _UNANSWERABLE.set(reason)
+    try:
+        yield
+    finally:
+        _UNANSWERABLE.reset(token)
+
+
 #: Longest problem text a rank sends its peers.
 _PROBLEM_CHARS = 500
 
@@ -55,17 +80,25 @@ def agree(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], tim
     or a ``ValueError`` naming the ranks that had one). Nothing else is sent, so the ring stays usable.
     Returns the maxima over ranks of ``values`` (at most three), as
     :func:`~elastic_ring.reduction.signature.start_check`. ``join_plan``: what a rank waiting in ``join()``
-    mirrors (None: the call raises on every rank while one has joined; a rank with a problem sends none).
+    mirrors (None: the call raises on every rank while one has joined; a rank with a problem sends none, nor
+    does a call inside :func:`unanswerable_while_joined`).
     """
     flag = 0 if problem is None else 1
     if problem is not None:  # what the peers' mismatch message shows for this rank, when they made a valid call
         kind = f"{kind} with invalid arguments ({type(problem).__name__}: {problem})"[:_PROBLEM_CHARS]
+    unanswerable = _UNANSWERABLE.get()
+    check = start_check(comm, kind, entries, timeout_s, [flag, *values],
+                        join_plan=join_plan if problem is None and unanswerable is None else None)
     try:
-        got = start_check(comm, kind, entries, timeout_s, [flag, *values],
-                          join_plan=join_plan if problem is None else None).finish()
+        got = check.finish()
     except TensorMismatchError as mismatch:
         if problem is not None:
             raise problem from mismatch
+        if unanswerable is not None and check.joined and str(mismatch).startswith(f"{kind} cannot run while"):
+            who = ", ".join(map(str, check.joined))
+            raise TensorMismatchError(
+                f"{unanswerable} (rank{'s' if len(check.joined) > 1 else ''} {who} called join()); it did not run, "
+                "the joined ranks wait for the next call and the ring stays usable") from None
         raise
     if got[0]:
         reported = _swap_problems(comm, problem, timeout_s)

@@ -30,6 +30,15 @@ data:
   disagree on) raises on the ranks that called it; the joined ranks go on
   waiting (as Horovod's).
 
+``er`` and ``hvd``: the allgather and broadcast answers above are elastic_ring's
+(``er.*``). Horovod refuses every allgather and broadcast while a rank has
+joined, and ``hvd.*`` keeps that: the hvd layer runs them (every form, objects,
+``broadcast_parameters``) inside
+:func:`~elastic_ring.collectives.agreement.unanswerable_while_joined`, a
+``contextvars`` scope in which every call's join plan is "cannot be answered",
+so its callers raise :class:`~elastic_ring.TensorMismatchError` (a
+``RuntimeError``) and the joined ranks wait on; nothing else changes.
+
 A lean ``DistributedOptimizer`` step (``strict_checks=False`` after the ring's
 first step: its agreement rides in its last bucket, with no check a joined rank
 could answer) cannot be joined: :func:`join` raises at once on a rank whose
@@ -116,6 +125,7 @@ def serve(comm: Communicator, plan: Any, timeout_s: float | None) -> None:
         tensors = [torch.empty(shape, dtype=dtype, device=comm.device) for dtype, shape in _layout(plan["tensors"])]
         _tensors.broadcast_data(comm, tensors, int(plan["root"]), int(plan["threshold"]), timeout_s)
     elif run == "broadcast_bytes":
+        comm.payload_name("broadcast_object")  # keep the object collectives' sequence numbers (their MACs) in step
         broadcast_bytes(comm, None, int(plan["root"]), timeout_s)
     elif run == "buckets":  # a DistributedOptimizer step: its buckets in launch order, reduced with op
         op = ReduceOp.parse(plan["op"])

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import elastic_ring as er
+from elastic_ring.collectives.agreement import unanswerable_while_joined
 from elastic_ring.core.ops import Average, ReduceOp
 from elastic_ring.reduction.compression import Compression
 
@@ -70,6 +71,18 @@ def _sparse_op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
     return reduce_op
 
 
+def _refused_while_joined(call: str):
+    """Scope a call that Horovod refuses while a rank has joined (every allgather and broadcast): the calling
+    ranks raise ``TensorMismatchError`` (a ``RuntimeError``), the joined ranks go on waiting. elastic_ring's own
+    ``er.allgather`` / ``er.broadcast`` (and ``broadcast_object``, ``broadcast_parameters``) answer them: no rows
+    from a joined rank, a root that has not joined."""
+    answered = "" if call == "allgather_object" else f"; elastic_ring's er.{call} answers a joined rank"
+    return unanswerable_while_joined(
+        f"hvd.{call} cannot run while a rank has joined, as in Horovod, which refuses every allgather and "
+        f"broadcast until all ranks have called join() (call it before any rank joins, or after join() returns"
+        f"{answered})")
+
+
 @_hvd_call
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=Compression.none, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
@@ -129,21 +142,21 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 @_hvd_call
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
-    with _on(process_set):
+    with _on(process_set), _refused_while_joined("allgather"):
         return er.allgather(tensor, name=name)
 
 
 @_hvd_call
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
-    with _on(process_set):
+    with _on(process_set), _refused_while_joined("allgather"):
         return [er.allgather(t, name=None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
 
 
 @_hvd_call
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    with _on(process_set) as ranks:
+    with _on(process_set) as ranks, _refused_while_joined("broadcast"):
         return er.broadcast(tensor, _agreed("broadcast", tensor, process_set, lambda: _root(root_rank, ranks)),
                             name=name)
 
@@ -151,7 +164,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 @_hvd_call
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
-    with torch.no_grad(), _on(process_set) as ranks:
+    with torch.no_grad(), _on(process_set) as ranks, _refused_while_joined("broadcast_"):
         return er.broadcast_(tensor, _agreed("broadcast_", tensor, process_set, lambda: _root(root_rank, ranks)),
                              name=name)
 
@@ -238,14 +251,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
 @_hvd_call
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
-    with _on(process_set) as ranks:
+    with _on(process_set) as ranks, _refused_while_joined("broadcast_object"):
         return er.broadcast_object(obj, _agreed("broadcast_object", [], process_set, lambda: _root(root_rank, ranks)),
                                    name=name)
 
 
 @_hvd_call
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list:
-    with _on(process_set):
+    with _on(process_set), _refused_while_joined("allgather_object"):
         return er.allgather_object(obj, name=name)
 
 
@@ -259,9 +272,10 @@ def barrier(process_set: Any = global_process_set) -> None:
 def join(device: int = -1) -> int:
     """Horovod's ``join``: this rank ran out of data. It blocks, taking part in the other ranks' collectives
     (allreduce with the op's neutral element, zeros for Sum / Average, so ``Average`` still divides by the full
-    size; allgather with no rows; broadcast from a rank that has not joined), until every rank has joined, and
-    returns the rank that joined last, the same on every rank (``elastic_ring.join``). A broadcast whose root
-    joined, reducescatter and alltoall raise on the ranks that call them. Optimizer steps are answered (zero
+    size; barrier), until every rank has joined, and returns the rank that joined last, the same on every rank
+    (``elastic_ring.join``). As in Horovod, every hvd allgather and broadcast (objects, ``broadcast_parameters``
+    included), reducescatter and alltoall raise ``RuntimeError`` on the ranks that call them while a rank has
+    joined (``er.allgather`` / ``er.broadcast`` answer a joined rank). Optimizer steps are answered (zero
     gradients, Average divides by the full size) when every rank's optimizer leads each step with its check:
     ``hvd.DistributedOptimizer(..., strict_checks=True)``. The default (``strict_checks=False``) carries a step's
     agreement in its last bucket after the ring's first step, which no joined rank can answer, so ``join()``

@@ -15,7 +15,7 @@ from elastic_ring.reduction.optimizer import _DistributedMixin
 from .errors import _horovod_errors, _hvd_call
 from . import adasum as _adasum
 from . import step_reduced
-from .ops import Adasum, _op
+from .ops import Adasum, _op, _refused_while_joined
 from .process_sets import ProcessSet, global_process_set
 from .topology import size
 
@@ -45,7 +45,8 @@ def _parameter_items(params: Any, prefix: str | None) -> list[tuple[str, torch.T
 def broadcast_parameters(params, root_rank: int, prefix: str | None = None) -> None:
     """Overwrite the parameters in place with root's (``model.state_dict()``, ``model.named_parameters()`` or a
     list of tensors such as ``list(model.parameters())``)."""
-    er.broadcast_parameters(_parameter_items(params, prefix), root_rank)
+    with _refused_while_joined("broadcast_parameters"):
+        er.broadcast_parameters(_parameter_items(params, prefix), root_rank)
 
 
 def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
@@ -70,7 +71,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                 if p.requires_grad and p.grad is None and (isinstance(optimizer, torch.optim.SparseAdam)
                                                            or id(p) in sparse):
                     p.grad = torch.zeros_like(p).to_sparse()
-    er.broadcast_optimizer_state(optimizer, root_rank)
+    with _refused_while_joined("broadcast_optimizer_state"):
+        er.broadcast_optimizer_state(optimizer, root_rank)
 
 
 class _SparseGradients:
