@@ -16,6 +16,7 @@ from . import adasum as _adasum
 from .adasum import Adasum
 from .errors import _hvd_call
 from .process_sets import _agreed, _on, _root, global_process_set
+from .session import named_async, release_name
 from .topology import size
 
 
@@ -216,6 +217,7 @@ class _SparseHandle:
         return True
 
     def __call__(self) -> torch.Tensor:
+        release_name(self)  # delivered: its name is free again
         if self._error is not None:
             raise self._error
         if self._result is None:
@@ -232,7 +234,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
                            process_set: Any = global_process_set) -> _SparseHandle:
     """Horovod's sparse allreduce: every rank's indices and values are allgathered, so the result holds every
     rank's entries (uncoalesced: entries at the same index add up), the values divided by the set's size for
-    ``op=Average``. Returns a handle: call it (as Horovod's) or pass it to :func:`synchronize`."""
+    ``op=Average``. Returns a handle: call it (as Horovod's) or pass it to :func:`synchronize`; its ``name`` is
+    held until then, as an ``_async`` call's (a second one raises ``ValueError`` at once)."""
+    return named_async("sparse_allreduce_async", name, process_set,
+                       lambda: _sparse_allreduce_async(tensor, name, op, process_set))
+
+
+def _sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp | str,
+                            process_set: Any) -> _SparseHandle:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async reduces a sparse COO tensor (tensor.is_sparse); use allreduce_async "
                          "for a dense one")

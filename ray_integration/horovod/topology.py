@@ -12,10 +12,13 @@ from .errors import _LAUNCH
 
 
 class _Session:
-    """Whether this script called hvd.shutdown() since its last hvd.init() (Horovod's is_initialized() then says
-    False and rank() raises; the ring itself belongs to the launcher and stays)."""
+    """This script's hvd session: whether it called hvd.shutdown() since its last hvd.init() (Horovod's
+    is_initialized() then says False and rank() raises; the ring itself belongs to the launcher and stays), and
+    the names of its ``_async`` operations not synchronized yet (:mod:`.session` keeps them)."""
 
     shut = False
+    #: (process set id, name) -> (the ring round it was started in, its handle's id); see session.claim_name
+    in_flight: dict[tuple[int, str], tuple[int, int]] = {}
 
 
 def is_initialized() -> bool:
