@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 #: How to install each optional need (the README names the same extras).
 INSTALL = {
-    "ray.train": "pip install 'ray[train]'  (a dependency of elastic-ring since issue 25)",
+    "ray.train": "pip install 'ray[train]'  (elastic-ring's own install, pip install -e ., pulls it in)",
     "matplotlib": "pip install -e '.[examples]'  (or pip install matplotlib)",
     "nccl": "pip install -e '.[gpu]'  (libnccl >= 2.25 from the nvidia-nccl-cu12 wheel) on a machine with CUDA",
 }
