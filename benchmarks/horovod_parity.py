@@ -136,6 +136,10 @@ def main() -> None:
     if not os.path.isfile(args.tests):
         parser.error(f"--tests {args.tests!r} is not a file")
     path = os.path.abspath(args.tests)
+    helpers = os.path.join(os.path.dirname(os.path.dirname(path)), "utils", "common.py")
+    if not os.path.isfile(helpers):  # before any rank starts: every test would fail on its import
+        parser.error(f"Horovod's test helpers {helpers} are missing: --tests must point into a checkout of "
+                     "horovod/horovod (test/parallel/test_torch.py with test/utils/common.py beside it)")
     source = open(path, encoding="utf-8").read()
     names = sorted({line.split("def ")[1].split("(")[0] for line in source.splitlines()
                     if line.startswith("    def test_")})
@@ -143,12 +147,16 @@ def main() -> None:
         names = [n for n in names if args.only in n]
     for ranks in args.ranks:
         totals = {"passed": 0, "failed": 0, "unsupported": 0}
-        for name in names:
-            kind, detail = _one(path, name, ranks, args.timeout_s)
-            totals[kind] += 1
-            print(f"{ranks} ranks  {kind:<11} {name}  {detail}", flush=True)
-        print(f"== {ranks} ranks: {totals['passed']} passed, {totals['failed']} failed, {totals['unsupported']} "
-              f"unsupported of {len(names)} tests in {os.path.basename(path)}", flush=True)
+        try:
+            for name in names:
+                kind, detail = _one(path, name, ranks, args.timeout_s)
+                totals[kind] += 1
+                print(f"{ranks} ranks  {kind:<11} {name}  {detail}", flush=True)
+        finally:  # also when interrupted or a run fails: the totals measured so far
+            done = sum(totals.values())
+            print(f"== {ranks} ranks: {totals['passed']} passed, {totals['failed']} failed, {totals['unsupported']} "
+                  f"unsupported of {done}{'' if done == len(names) else f' run (of {len(names)})'} tests in "
+                  f"{os.path.basename(path)}", flush=True)
 
 
 if __name__ == "__main__":
