@@ -41,12 +41,21 @@ from .trainer import ElasticTrainer
 from .worker import WorkerError
 
 
-def get_dataset_shard(name: str, **options):
-    """Ray Train's ``get_dataset_shard(name)``: this worker's part of ``ElasticTrainer(datasets={name: ...})``;
-    ``options`` as :func:`ray_integration.data.get_dataset_shard` takes them (imported when first called)."""
+def get_dataset_shard(dataset_name: str | None = None, **options):
+    """Ray Train's ``get_dataset_shard(dataset_name)``: this worker's part of ``ElasticTrainer(datasets={name:
+    ...})``; ``options`` as :func:`ray_integration.data.get_dataset_shard` takes them (imported when first called).
+    ``name=`` (this function's keyword before) is accepted too."""
     from .data import get_dataset_shard as shard
 
-    return shard(name, **options)
+    if "name" in options:
+        if dataset_name is not None:
+            raise TypeError(f"get_dataset_shard got dataset_name={dataset_name!r} and name={options['name']!r}; "
+                            "give one (dataset_name, as Ray Train's)")
+        dataset_name = options.pop("name")
+    if dataset_name is None:
+        raise TypeError("get_dataset_shard() needs the dataset's name: get_dataset_shard('train') for "
+                        "ElasticTrainer(datasets={'train': ds})")
+    return shard(dataset_name, **options)
 
 
 __all__ = ["ElasticTrainer", "Event", "Result", "RunFailed", "TrainContext", "TrainerConfig", "WorkerError",

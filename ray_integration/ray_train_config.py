@@ -94,6 +94,12 @@ def _run(rc: Any, out: dict) -> None:
                          "fsspec; give the location as a URL in storage_path (e.g. 's3://bucket/path') and drop "
                          "storage_filesystem")
     generated = name is None or bool(_GENERATED_NAME.match(str(name)))
+    if storage is not None and not generated and _is_default_storage(storage):
+        warnings.warn(f"ElasticTrainer run_config=RunConfig(name={name!r}) without storage_path: checkpoints go to "
+                      f"{os.path.join(os.path.expanduser(str(storage)), name)} on the disk of the process that writes "
+                      "them (rank 0, on any node), which a rerun on another node does not see; on more than one node "
+                      "set RunConfig(storage_path=...) to shared storage (s3://..., gs://..., an NFS path)",
+                      UserWarning, stacklevel=4)
     if storage is not None and not generated:
         storage = os.fspath(storage)
         if "://" not in storage:  # a local path: absolute on the driver, as Ray Train resolves it
@@ -104,10 +110,8 @@ def _run(rc: Any, out: dict) -> None:
         raise ValueError(f"ElasticTrainer run_config=RunConfig(storage_path={storage!r}) needs a name too "
                          f"(got {name!r}{', which Ray generated' if name else ''}): checkpoints go to storage_path/name "
                          "and a rerun resumes from them only under the same name; set RunConfig(name='my-job')")
-    failure = rc.failure_config
-    if failure is not None and failure != type(failure)():  # Ray's default FailureConfig(): not given (see docs)
-        k = failure.max_failures
-        out["max_failures"] = (-1 if k == -1 else k, f"run_config.failure_config.max_failures={k!r}")
+    if rc.failure_config is not None:
+        _failure(rc.failure_config, out)
     checkpoint = rc.checkpoint_config
     if checkpoint is not None:
         if checkpoint.num_to_keep is not None:
@@ -127,6 +131,48 @@ def _run(rc: Any, out: dict) -> None:
     if logging is not None and logging != type(logging)():
         warnings.warn(f"ElasticTrainer ignores run_config.logging_config={logging!r}: workers log through Ray's "
                       "worker logs (docs/troubleshooting.md)", UserWarning, stacklevel=4)
+
+
+#: FailureConfig's fields beside max_failures: (Ray's default, why elastic_ring ignores a value other than it).
+_FAILURE_IGNORED = {
+    "controller_failure_limit": (-1, "the driver is not restarted: a failure of the driver process ends the run "
+                                     "(run the same script again to resume from the newest checkpoint)"),
+    "max_preemption_failures": (-1, "a preempted (drained) node's workers leave at a commit and the ring re-forms "
+                                    "without them; that never counts as a failure, and there is no limit on it"),
+    "relax_collectives_on_preemption": (False, "the ring re-forms without the workers of a preempted node: no "
+                                               "collective waits for them"),
+    "preemption_grace_s": (0.0, "the workers of a preempted node leave at their next commit; the others go on"),
+}
+#: Ray's default FailureConfig().max_failures (Ray Train: no retries).
+_RAY_DEFAULT_MAX_FAILURES = 0
+
+
+def _failure(failure: Any, out: dict) -> None:
+    """``max_failures`` unless it is Ray's default 0, which RunConfig fills in when no FailureConfig is given and
+    which cannot be told from an explicit ``FailureConfig(max_failures=0)`` (docs/ray_train.md); V1's ``fail_fast``
+    is ``max_failures=0``; a warning names each other field set to a value other than Ray's default."""
+    k = failure.max_failures
+    fail_fast = getattr(failure, "fail_fast", False)
+    if fail_fast is True or isinstance(fail_fast, str) and fail_fast.upper() == "RAISE":
+        out["max_failures"] = (0, f"run_config.failure_config.fail_fast={fail_fast!r}")
+    elif k != _RAY_DEFAULT_MAX_FAILURES:
+        out["max_failures"] = (k, f"run_config.failure_config.max_failures={k!r}")
+    for name, (default, why) in _FAILURE_IGNORED.items():
+        value = getattr(failure, name, default)
+        if value != default:
+            warnings.warn(f"ElasticTrainer ignores run_config.failure_config.{name}={value!r}: {why}; drop it (only "
+                          "max_failures is used, docs/ray_train.md)", UserWarning, stacklevel=5)
+
+
+def default_storage_location(run_config: Any) -> str | None:
+    """The location a ``RunConfig(name=...)`` without ``storage_path`` puts checkpoints at (``~/ray_results/name``,
+    on the local disk of whichever process writes), else None."""
+    if run_config is None or getattr(run_config, "storage_filesystem", None) is not None:
+        return None
+    storage, name = run_config.storage_path, run_config.name
+    if storage is None or name is None or _GENERATED_NAME.match(str(name)) or not _is_default_storage(storage):
+        return None
+    return f"{os.path.abspath(os.path.expanduser(os.fspath(storage))).rstrip('/')}/{name}"
 
 
 def _is_default_storage(storage: str) -> bool:

@@ -1,10 +1,12 @@
 """Ray Train's calls inside the training function: ``report``, ``get_checkpoint``, ``get_context``; and
 ``load_checkpoint`` to read a run's checkpoints afterwards.
 
-* ``report(metrics, checkpoint=None)``: the metrics go through ``er.report`` (rank 0's reach the driver's
-  ``Result``); a checkpoint (``ray.train.Checkpoint.from_directory(d)``) is uploaded by rank 0, synchronously,
-  into the run's location as a reported checkpoint (:mod:`state.reported_checkpoints`): durable and verified
-  when ``report`` returns. Other ranks' checkpoints are not uploaded (a warning, once).
+* ``report(metrics, checkpoint=None)``: the metrics reach the driver's ``Result`` (rank 0's); a checkpoint
+  (``ray.train.Checkpoint.from_directory(d)``) is copied into a local snapshot at once (``d`` may go or be reused
+  when ``report`` returns) and uploaded by rank 0 in the background into the run's location as a reported
+  checkpoint (:mod:`state.reported_uploads`, :mod:`state.reported_checkpoints`): the other ranks never wait for
+  it. ``state.flush_checkpoints`` (when ``fn`` returns, at a stop or a drain) waits for the uploads. Other ranks'
+  checkpoints are not uploaded (a warning, once).
 * ``get_checkpoint()``: the newest verified reported checkpoint at the run's location (this run's, or an earlier
   run's: resuming after a whole-cluster loss), downloaded into a local directory; None when there is none.
 * ``get_context()``: the ranks of the current ring (they change after a re-form).
@@ -13,27 +15,42 @@
 from __future__ import annotations
 
 import atexit
+import itertools
+import numbers
 import os
 import posixpath
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from typing import Any
 
 import elastic_ring as er
+from elastic_ring.core import progress
 from elastic_ring.core.log import get_logger
-from state import CheckpointError, CheckpointStore
+from elastic_ring.ring import report as ring_report
+from elastic_ring.ring import runtime as ring_runtime
+from state import CheckpointError, CheckpointRefused, CheckpointStore
 from state.checkpoint_io import Location
 from state.checkpoint_policy import parse_checkpoint_dir
-from state.reported_checkpoints import FILES, SUBDIR, ReportedCheckpoints, default_config
+from state.reported_checkpoints import (
+    FILES, SUBDIR, ReportedCheckpoints, default_config, lease_generation, manifest_digest, verify_local,
+)
+from state.reported_uploads import uploads_for
 
 _log = get_logger(__name__)
-#: Keys every er.report record carries already; a metric of that name would hide them.
+#: Keys every report record carries already; a metric of that name would hide them.
 RESERVED_METRICS = ("time", "rank", "round", "world_size")
+#: Seconds ``report(..., checkpoint_upload_mode=SYNC)`` waits for the upload before raising.
+SYNC_UPLOAD_TIMEOUT_S = 300.0
+#: How deep report's metric values may nest (lists, dicts).
+MAX_METRIC_DEPTH = 32
 
 _lock = threading.Lock()
-_downloads: dict[tuple[str, int], str] = {}  # (location, seq) -> the local directory it was verified into
+#: get_checkpoint's downloads: (location, seq, manifest digest) -> the local directory it was verified into.
+_downloads: dict[tuple[str, int, str], str] = {}
+_names = itertools.count()
 _tmp_root: str | None = None
 _warned_rank: list[bool] = [False]
 
@@ -45,34 +62,106 @@ def _ray_checkpoint_class():
 
 
 # ---------------------------------------------------------------- report
-def report(metrics: dict, checkpoint: Any = None) -> None:
-    """Report this step's ``metrics`` (a dict of str -> number or short string) and, optionally, a checkpoint: a
-    ``ray.train.Checkpoint`` of a local directory (``Checkpoint.from_directory(d)``), uploaded by rank 0 before this
-    call returns. Needs the run's location (``RunConfig(storage_path=..., name=...)`` or ``checkpoint_uri``)."""
-    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
-        raise TypeError(f"report(metrics=...) must be a dict of str -> number or string, got {metrics!r}")
-    clash = sorted(set(metrics) & set(RESERVED_METRICS))
-    if clash:
-        raise ValueError(f"report(metrics) has {clash}: every record carries {list(RESERVED_METRICS)} already; "
-                         "rename those metrics (e.g. 'rank' -> 'my_rank')")
+def report(metrics: dict, checkpoint: Any = None, *, checkpoint_upload_mode: Any = None) -> None:
+    """Report this step's ``metrics`` and, optionally, a checkpoint, as Ray Train's ``report``.
+
+    ``metrics``: a dict of str -> JSON-able value (numbers, strings, bools, None, lists and dicts of them); all
+    reach ``Result.metrics`` / ``metrics_history``. ``checkpoint``: a ``ray.train.Checkpoint`` of a local directory
+    (``Checkpoint.from_directory(d)``), copied now and uploaded by rank 0 in the background (``d`` may be deleted
+    or reused as soon as this returns); needs the run's location (``RunConfig(storage_path=..., name=...)`` or
+    ``checkpoint_uri``). ``checkpoint_upload_mode``: None or ``ray.train.CheckpointUploadMode.ASYNC`` (the
+    background upload), or ``SYNC``: rank 0 returns once the upload is durable (the other ranks do not wait for
+    it: their next collective does, up to its timeout). Raises :class:`state.CheckpointError` after repeated
+    failed uploads, or when a ``SYNC`` upload fails."""
+    metrics = _checked_metrics(metrics)
+    sync = _sync_mode(checkpoint_upload_mode)
     if checkpoint is not None:
         directory = _local_directory(checkpoint)
         config = default_config()
         if config is None:
             raise ValueError("report(metrics, checkpoint=...) needs a location for checkpoints: give the trainer "
                              "run_config=RunConfig(storage_path=..., name=...) or checkpoint_uri=...")
-        rank = er.rank() if er.is_initialized() else 0  # outside a ring (a plain script): this process is rank 0
+        rank = _rank()
         if rank == 0:
-            store = ReportedCheckpoints(config.uri, config.keep_last, run_id=config.run_id,
-                                        signing_key=config.signing_key)
-            seq, url = store.save(directory, metrics)
-            _log.info("reported checkpoint %d written to %s", seq, url)
+            uploads = uploads_for(config.uri, config.keep_last, run_id=config.run_id, signing_key=config.signing_key,
+                                  lease_generation=lease_generation(config),
+                                  max_consecutive_failures=config.max_consecutive_failures)
+            uploads.submit(directory, metrics)
+            if sync:
+                uploads.flush(SYNC_UPLOAD_TIMEOUT_S)
         elif not _warned_rank[0]:
             _warned_rank[0] = True
             warnings.warn(f"report(checkpoint=...) on rank {rank}: only rank 0's checkpoint is kept (Ray Train "
                           "merges every rank's directory); write what every rank needs from rank 0",
                           UserWarning, stacklevel=2)
-    er.report(**metrics)
+    _send(metrics)
+
+
+def _sync_mode(mode: Any) -> bool:
+    """True for Ray Train's ``CheckpointUploadMode.SYNC``, False for None or ``ASYNC``; else ValueError."""
+    name = getattr(mode, "name", mode)
+    if mode is None or isinstance(name, str) and name.upper() == "ASYNC":
+        return False
+    if isinstance(name, str) and name.upper() == "SYNC":
+        return True
+    raise ValueError(f"report(checkpoint_upload_mode={mode!r}) is not supported: use None or "
+                     "ray.train.CheckpointUploadMode.ASYNC (the background upload, the default here) or SYNC (rank 0 "
+                     "waits for it); a checkpoint already in the run's storage (NO_UPLOAD) cannot be reported")
+
+
+def _rank() -> int:
+    """This worker's rank (forming the ring inside ElasticTrainer); 0 outside any ring (a plain script)."""
+    try:
+        return er.rank()
+    except er.NotInitializedError:
+        return 0
+
+
+def _checked_metrics(metrics: Any) -> dict:
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise TypeError(f"report(metrics=...) must be a dict of str -> JSON-able value (number, string, bool, None, "
+                        f"list, dict), got {metrics!r}")
+    clash = sorted(set(metrics) & set(RESERVED_METRICS))
+    if clash:
+        raise ValueError(f"report(metrics) has {clash}: every record carries {list(RESERVED_METRICS)} already; "
+                         "rename those metrics (e.g. 'rank' -> 'my_rank')")
+    return {key: _plain(value, key, 0) for key, value in metrics.items()}
+
+
+def _plain(value: Any, where: str, depth: int) -> Any:
+    """``value`` as JSON-able data (numpy scalars as Python numbers, tuples as lists); TypeError naming ``where``."""
+    if depth > MAX_METRIC_DEPTH:
+        raise TypeError(f"report(metrics={{{where!r}: ...}}) nests deeper than {MAX_METRIC_DEPTH} levels")
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, numbers.Real):  # a numpy scalar, a Fraction
+        return value.item() if hasattr(value, "item") else float(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"report(metrics={{{where!r}: ...}}) holds a dict with non-str keys; use str keys")
+        return {k: _plain(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
+    hint = (" (use float(t) for a scalar tensor, t.tolist() for a small one)" if type(value).__name__ == "Tensor"
+            else "")
+    raise TypeError(f"report(metrics={{{where!r}: ...}}) got a {type(value).__name__}; report JSON-able values: "
+                    f"numbers, strings, bools, None, lists and dicts of them{hint}")
+
+
+def _send(metrics: dict) -> None:
+    """Rank 0's record to the driver. Numbers and strings go through ``er.report``; a record with other values
+    (None, lists, dicts, which ``er.report`` refuses) is built the same way and handed to the installed reporter."""
+    if all(isinstance(v, (str, bool, int, float)) for v in metrics.values()):
+        er.report(**metrics)
+        return
+    comm = ring_runtime.current_or_none()
+    record = {"time": time.time(), "rank": comm.rank if comm else 0, "round": comm.spec.round_id if comm else None,
+              "world_size": comm.size if comm else 1, **progress.current(), **metrics}
+    reporter = ring_report._reporter  # (er.report's; no public getter yet)
+    if reporter is None:
+        _log.info("report %s", metrics)
+    else:
+        reporter(record)
 
 
 def _local_directory(checkpoint: Any) -> str:
@@ -96,42 +185,53 @@ def _tmp() -> str:
     return _tmp_root
 
 
-def _fetch_reported(uri: str, signing_key: bytes | None = None, seq: int | None = None) -> tuple[int, str] | None:
-    """The newest verified reported checkpoint at ``uri`` (or number ``seq``) in a local directory: (seq, dir);
-    downloaded once per process and number."""
+def _new_dir(seq: int) -> str:
+    return os.path.join(_tmp(), f"{next(_names)}-{seq}")
+
+
+def _fetch_reported(uri: str, signing_key: bytes | None = None, seq: int | None = None, *,
+                    cache: bool = False) -> tuple[int, str] | None:
+    """The newest verified reported checkpoint at ``uri`` (or number ``seq``) in a local directory: (seq, dir).
+    With ``cache``, a directory this process downloaded before is handed out again when the manifest read now has
+    the same digest and every file still matches it (else it is downloaded again, into a new directory)."""
     store = ReportedCheckpoints(uri, signing_key=signing_key)
-    with _lock:
-        complete = store.complete()
-        if seq is not None and seq not in complete:
+
+    def reuse(n: int, manifest: dict) -> str | None:
+        if not cache:
+            return None
+        with _lock:
+            local = _downloads.get((uri, n, manifest_digest(manifest)))
+        return local if local is not None and verify_local(local, manifest) else None
+
+    if seq is not None:
+        if seq not in store.complete():
             raise CheckpointError(f"there is no reported checkpoint {seq} under {uri}/{SUBDIR} (it was pruned, or "
-                                  f"never completed); the complete ones are {complete}")
-        wanted = seq if seq is not None else (complete[-1] if complete else None)
-        if wanted is not None and (uri, wanted) in _downloads:
-            return wanted, _downloads[(uri, wanted)]
-
-        def dest(n: int) -> str:
-            return os.path.join(_tmp(), f"{len(_downloads)}-{n}")
-
-        if seq is not None:
-            path = dest(seq)
-            store.download(seq, path)
-            found = (seq, path, None)
-        else:
-            found = store.newest(dest)
+                                  f"never completed); the complete ones are {store.complete()}")
+        manifest = store.manifest(seq)
+        local = reuse(seq, manifest)
+        if local is None:
+            local = _new_dir(seq)
+            store.download(seq, local, manifest)
+        found = (seq, local, manifest)
+    else:
+        found = store.newest(_new_dir, reuse=reuse)
         if found is None:
             return None
-        _downloads[(uri, found[0])] = found[1]
-        return found[0], found[1]
+    if cache:
+        with _lock:
+            _downloads[(uri, found[0], manifest_digest(found[2]))] = found[1]
+    return found[0], found[1]
 
 
 def get_checkpoint() -> Any:
     """The checkpoint to resume from: the newest verified reported checkpoint at this run's location (written by
     this run or an earlier one there), as a ``ray.train.Checkpoint`` of a local directory; None if there is none
-    (or the run has no location)."""
+    (or the run has no location). Uploads still in flight are not visible yet. The directory is this process's
+    copy: handed out again while its files match the checkpoint's manifest, downloaded again otherwise."""
     config = default_config()
     if config is None:
         return None
-    found = _fetch_reported(config.uri, config.signing_key)
+    found = _fetch_reported(config.uri, config.signing_key, cache=True)
     return None if found is None else _ray_checkpoint_class().from_directory(found[1])
 
 
@@ -209,11 +309,15 @@ def load_checkpoint(source: Any, *, trusted: bool = False, signing_key: bytes | 
     """Read a checkpoint of a run, verified: ``source`` is the run's location (``checkpoint_uri``,
     ``Result.path``), one checkpoint's URI, or a ``ray.train.Checkpoint`` (``Result.checkpoint``).
 
-    A state checkpoint (``ckpt-*``, or a location holding any) returns its state tree: a dict with one entry per
-    state value (``tree["model"]``, ``tree["optimizer"]``: their state_dicts). A reported checkpoint (or a location
-    holding only those) returns the path of a local directory holding its verified files. Raises
-    :class:`state.CheckpointError` naming the location when there is nothing, or nothing valid;
-    :class:`state.CheckpointRefused` for another job's checkpoint."""
+    Returns, for a reported checkpoint (``report(..., checkpoint=...)``: the user's own files), the path of a new
+    local directory holding its files, each verified against the manifest (as Ray Train's
+    ``Checkpoint.as_directory()`` gives a directory: read your files from it); for a state checkpoint (``ckpt-*``),
+    its state tree: a dict with one entry per state value (``tree["model"]``, ``tree["optimizer"]``: their
+    state_dicts). A location means the same checkpoint as ``Result.checkpoint``: its newest valid reported
+    checkpoint when it holds any, else its newest valid state checkpoint (pass ``Result.checkpoint_uri`` for the
+    state's own). Each call reads the storage again (nothing is cached). Raises :class:`state.CheckpointError`
+    naming the location when there is nothing, or nothing valid; :class:`state.CheckpointRefused` for another
+    job's checkpoint."""
     if isinstance(source, _ray_checkpoint_class()):  # before os.PathLike: a Checkpoint's __fspath__ raises
         url = checkpoint_url(source)
     elif isinstance(source, (str, os.PathLike)):
@@ -238,15 +342,24 @@ def load_checkpoint(source: Any, *, trusted: bool = False, signing_key: bytes | 
     store = CheckpointStore(location, trusted=trusted, signing_key=signing_key)
     if seq is not None:
         return store.load(seq)[0]
+    damaged = None
+    try:
+        found = _fetch_reported(location, signing_key)
+    except CheckpointRefused:
+        raise
+    except CheckpointError as exc:  # every reported one is damaged: the state's, as Result.checkpoint falls back
+        found, damaged = None, exc
+        _log.warning("%s; reading the newest state checkpoint instead", exc)
+    if found is not None:
+        return found[1]
     if store.complete():
         loaded = store.load_latest()
         assert loaded is not None
         return loaded[0]
-    found = _fetch_reported(location, signing_key)
-    if found is None:
-        raise CheckpointError(f"there is no complete checkpoint at {location} (no ckpt-* directory with a manifest, no "
-                              f"reported checkpoint under {SUBDIR}/); was it this run's checkpoint_uri?")
-    return found[1]
+    if damaged is not None:
+        raise damaged
+    raise CheckpointError(f"there is no complete checkpoint at {location} (no ckpt-* directory with a manifest, no "
+                          f"reported checkpoint under {SUBDIR}/); was it this run's checkpoint_uri?")
 
 
 def _reported(location: str, seq: int, signing_key: bytes | None) -> str:

@@ -16,14 +16,14 @@ from elastic_ring import shadowing
 from elastic_ring.core.auth import new_secret
 from elastic_ring.core.log import get_logger
 from state import CheckpointConfig, CheckpointError, CheckpointLease, CheckpointStore
-from state.reported_checkpoints import ReportedCheckpoints
+from state.reported_checkpoints import ReportedCheckpoints, with_lease_generation
 
 from .channel import Channel, Inbox
 from .config import TrainerConfig
 from .driver import Driver, Failed, Finished, Stopped
 from .events import Event, EventLog
 from .progress import ProgressDisplay
-from .ray_train_config import merge, translate
+from .ray_train_config import default_storage_location, merge, translate
 from .result import Result
 from .train_api import as_ray_checkpoint
 from .protocol import DRIVER, Keys
@@ -65,6 +65,8 @@ class ElasticTrainer:
         if scaling_config is not None or run_config is not None:
             options = merge(options, translate(scaling_config, run_config))
         self.config = TrainerConfig(**options)
+        # RunConfig(name=...) without storage_path: a node-local location, refused by run() on several nodes
+        self._node_local_location = default_storage_location(run_config)
         self.datasets = _check_datasets(datasets)
         self._stops = StopControl()
 
@@ -86,13 +88,24 @@ class ElasticTrainer:
         if self.config.use_gpu and resources.get("GPU", 0) == 0:
             raise ValueError("ElasticTrainer use_gpu=True, but the Ray cluster has no GPUs; "
                              "set use_gpu=False or connect to a cluster with GPU nodes")
+        if self._node_local_location is not None and self.config.checkpoint_uri == self._node_local_location:
+            nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+            if nodes > 1:
+                raise ValueError(f"ElasticTrainer run_config=RunConfig(name=...) without storage_path puts checkpoints "
+                                 f"at {self._node_local_location}, on the local disk of whichever node rank 0 runs on, "
+                                 f"but this Ray cluster has {nodes} nodes: a checkpoint written on one is lost to the "
+                                 "others; set RunConfig(storage_path=...) to storage every node reaches (s3://..., "
+                                 "gs://..., an NFS path)")
 
-    def _checkpoint_config(self, run_id: str) -> CheckpointConfig | None:
+    def _checkpoint_config(self, run_id: str, lease: CheckpointLease | None) -> CheckpointConfig | None:
+        """The workers' checkpointing, carrying the generation of the lease this driver holds: a worker publishes a
+        reported checkpoint only while that generation is the location's current one."""
         if self.config.checkpoint_uri is None:
             return None
         every_n, every_s = self.config.checkpoint_cadence
-        return CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last,
-                                run_id=run_id, trusted=self.config.trusted_checkpoints)
+        config = CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last,
+                                  run_id=run_id, trusted=self.config.trusted_checkpoints)
+        return with_lease_generation(config, lease.generation if lease is not None else None)
 
     def _lease(self, run_id: str) -> CheckpointLease | None:
         """Hold the checkpoint location for this run: a second live job there is refused within seconds."""
@@ -189,7 +202,8 @@ class ElasticTrainer:
             # a SimpleQueue: its put() is reentrant, so stop() may put from a SIGTERM handler on this thread
             wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
             settings = {"driver_silence_s": self.config.driver_silence_s,
-                        "flush_timeout_s": self.config.stop_timeout_s, "checkpoint": self._checkpoint_config(keys.job),
+                        "flush_timeout_s": self.config.stop_timeout_s,
+                        "checkpoint": self._checkpoint_config(keys.job, lease),
                         "use_gpu": self.config.use_gpu, "timeline": timeline is not None,
                         "tune_allocator": self.config.tune_allocator}
             if self.datasets:  # materialized once; kept alive by this frame (and so the blocks) until the run ends

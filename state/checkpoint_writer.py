@@ -49,6 +49,18 @@ Source = Callable[[], "tuple[Any, dict]"]
 
 _listener: Callable[[dict], None] | None = None
 _writers: "weakref.WeakSet[BackgroundWriter]" = weakref.WeakSet()
+#: Other background checkpoint writes of this process (the reported checkpoints' uploads): called by
+#: :func:`flush_checkpoints` and at exit with the seconds left (None: no limit), each returns its errors.
+_flush_hooks: "list[Callable[[float | None], list[CheckpointError]]]" = []
+
+
+def register_flush_hook(hook: Callable[[float | None], "list[CheckpointError]"]) -> None:
+    """Make :func:`flush_checkpoints` (and the exit's flush) also call ``hook(seconds_left)``, which waits for
+    other background checkpoint writes and returns their errors (``state.reported_uploads`` registers one)."""
+    if not callable(hook):
+        raise TypeError(f"register_flush_hook expects a function of the seconds left, got {hook!r}")
+    if hook not in _flush_hooks:
+        _flush_hooks.append(hook)
 
 
 def set_checkpoint_listener(listener: Callable[[dict], None] | None) -> None:
@@ -322,7 +334,8 @@ def _seq_of(uri: str) -> int | None:
 
 
 def flush_checkpoints(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> str | None:
-    """Flush every live checkpoint writer of this process within ``timeout_s`` seconds in all.
+    """Flush every live checkpoint writer of this process, and the reported checkpoints' uploads, within
+    ``timeout_s`` seconds in all.
 
     Call it from the thread that commits, or once training stopped (before a worker returns or
     leaves a draining node). A last write that failed with a transient storage error is written
@@ -342,6 +355,8 @@ def flush_checkpoints(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> str | None:
             continue
         if uri is not None and (newest is None or writer.last_written_at > newest[0]):
             newest = (writer.last_written_at, uri)
+    for hook in list(_flush_hooks):
+        errors.extend(hook(_remaining(deadline)))
     if errors:
         raise CheckpointError(f"the final checkpoint flush (within {timeout_s:g} s) failed: "
                               + "; ".join(str(e) for e in errors)) from errors[0]
@@ -356,4 +371,7 @@ def _flush_at_exit() -> None:
         try:
             writer.flush(_remaining(deadline))
         except CheckpointError as exc:
+            _log.error("at exit: %s", exc)
+    for hook in list(_flush_hooks):
+        for exc in hook(_remaining(deadline)):
             _log.error("at exit: %s", exc)

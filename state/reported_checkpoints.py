@@ -12,7 +12,12 @@ A reported checkpoint exists only once its manifest does; the manifest is writte
 written, fsynced and read back with the right size and sha256. A reader verifies every file against the
 manifest before it hands the directory out. Pruning keeps the ``keep_last`` newest (the rule of
 :func:`~state.checkpoint_policy.plan_prune`), manifest first. A run writes only while it holds the location's
-lease (or while no lease exists).
+lease (or while no lease exists); a run that was given its lease's generation
+(:func:`with_lease_generation`) writes only while that generation is the current one, checked before the first
+byte, again just before the manifest is published and once after (unpublishing it when the lease moved on
+meanwhile). What no check closes on an object store (no conditional write ties the manifest to the lease
+object): a lease taken over between the last check and the manifest's write, when the writer then dies before
+its check after the write; a reader may then find that manifest, written by a run whose lease had just expired.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ FORMAT = "elastic_ring.reported/1"
 SUBDIR, FILES, MANIFEST, CLAIM = "reported", "files", "MANIFEST.json", "CLAIM.json"
 #: The most files one reported checkpoint may hold (the manifest lists each).
 MAX_FILES = 10_000
+#: How many times :meth:`ReportedCheckpoints.newest` lists again after finding the checkpoint it read pruned.
+LIST_ATTEMPTS = 5
+_GENERATION_ATTR = "_er_lease_generation"
 
 _log = get_logger(__name__)
 
@@ -52,16 +60,43 @@ def default_config() -> CheckpointConfig | None:
     return default_checkpointing()
 
 
+def with_lease_generation(config: CheckpointConfig, generation: int | None) -> CheckpointConfig:
+    """``config`` carrying the generation of the lease its run holds on ``config.uri`` (the driver's), so that the
+    workers' reported-checkpoint writes are fenced by it. Kept beside the dataclass's fields (it travels with the
+    object when pickled; ``dataclasses.asdict`` and ``==`` do not see it)."""
+    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int) or generation < 1):
+        raise ValueError(f"lease generation={generation!r} must be None or an int >= 1")
+    object.__setattr__(config, _GENERATION_ATTR, generation)
+    return config
+
+
+def lease_generation(config: CheckpointConfig | None) -> int | None:
+    """The lease generation :func:`with_lease_generation` attached to ``config``, or None."""
+    return getattr(config, _GENERATION_ATTR, None)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """A checkpoint's identity: the sha256 of its manifest (canonical JSON). A location deleted and written again
+    gives its checkpoints other digests (run id, time, files), though their numbers repeat."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
 class ReportedCheckpoints:
-    """The reported checkpoints under location ``uri``. ``run_id`` names this run in what it writes."""
+    """The reported checkpoints under location ``uri``. ``run_id`` names this run in what it writes;
+    ``lease_generation``: the generation of the lease this run holds on ``uri`` (None: no fence beyond refusing
+    another live run's lease)."""
 
     def __init__(self, uri: str, keep_last: int = 3, *, run_id: str | None = None,
-                 signing_key: bytes | None = None) -> None:
+                 signing_key: bytes | None = None, lease_generation: int | None = None) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} must be an int >= 1")
+        if lease_generation is not None and (isinstance(lease_generation, bool) or not isinstance(lease_generation, int)
+                                             or lease_generation < 1):
+            raise ValueError(f"lease_generation={lease_generation!r} must be None or an int >= 1")
         check_signing_key(signing_key)
         self.uri = check_checkpoint_uri(uri, "checkpoint uri")
-        self.keep_last, self._key = keep_last, signing_key
+        self.keep_last, self._key, self.lease_generation = keep_last, signing_key, lease_generation
         self.run_id = run_id if run_id is not None else f"local-{uuid.uuid4().hex[:12]}"
         self.top = Location(self.uri)  # the location's root: where the lease is
         self.loc = Location(f"{self.uri}/{SUBDIR}")
@@ -104,9 +139,11 @@ class ReportedCheckpoints:
             if self._key is not None:
                 manifest["hmac_sha256"] = self._sign(manifest)
             body = json.dumps(manifest, indent=1, default=str).encode()
+            self._check_lease()  # the upload may have taken minutes: is the location still this run's?
             self.loc.write_small(f"{base}/{MANIFEST}", body)
             if self.loc.read_bytes(f"{base}/{MANIFEST}", limit=64 << 20) != body:
                 raise CheckpointCorrupt(f"{self.loc.url(base)}/{MANIFEST} reads back different from what was written")
+            self._check_lease()  # lost while publishing: unpublished below
         except Exception as exc:
             if seq is not None:
                 self._remove(seq)
@@ -123,6 +160,18 @@ class ReportedCheckpoints:
 
     def _check_lease(self) -> None:
         holder = checkpoint_lease.read_holder(self.top)
+        if self.lease_generation is not None:
+            held = (holder is not None and holder.get("run_id") == self.run_id and not holder.get("released")
+                    and holder.get("generation") == self.lease_generation)
+            if not held:
+                now = ("no lease at all" if holder is None else
+                       f"generation {holder.get('generation')!r} of run {holder.get('run_id')!r}"
+                       f"{', released' if holder.get('released') else ''}")
+                raise CheckpointError(f"this run {self.run_id!r} no longer holds the lease on checkpoint location "
+                                      f"{self.uri} (it held generation {self.lease_generation}; now: {now}): the "
+                                      "lease expired or another run took the location over, so this run must not "
+                                      "publish there; the driver stops the run (CheckpointLeaseLost)")
+            return
         if holder is not None and not holder.get("released") and holder.get("run_id") != self.run_id:
             raise CheckpointError(f"checkpoint location {self.uri} is leased by run {holder.get('run_id')!r} "
                                   f"(host {holder.get('host')}, pid {holder.get('pid')}), not by this run "
@@ -207,6 +256,10 @@ class ReportedCheckpoints:
                 isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
                 and _safe_relpath(rel) for rel, e in files.items()):
             raise CheckpointCorrupt(f"reported checkpoint manifest {self.loc.url(path)} does not describe its files")
+        clash = _path_clash(files)
+        if clash is not None:
+            raise CheckpointCorrupt(f"reported checkpoint manifest {self.loc.url(path)} does not describe its files: "
+                                    f"it lists {clash[0]!r} as a file and {clash[1]!r} inside it")
         if self._key is not None:
             given = manifest.get("hmac_sha256")
             if not isinstance(given, str) or not hmac.compare_digest(given, self._sign(manifest)):
@@ -228,10 +281,11 @@ class ReportedCheckpoints:
                                         f"{entry['bytes']}")
         return manifest
 
-    def download(self, seq: int, dest: str) -> dict:
-        """Copy checkpoint ``seq``'s files into the new local directory ``dest``, verifying every size and sha256;
-        returns the manifest. :class:`CheckpointCorrupt` (``dest`` removed) when anything does not match."""
-        manifest = self.manifest(seq)
+    def download(self, seq: int, dest: str, manifest: dict | None = None) -> dict:
+        """Copy checkpoint ``seq``'s files into the new local directory ``dest``, verifying every size and sha256
+        against ``manifest`` (read now when None); returns the manifest. :class:`CheckpointCorrupt` (``dest``
+        removed) when anything does not match."""
+        manifest = self.manifest(seq) if manifest is None else manifest
         base = f"{self._dir(seq)}/{FILES}"
         os.makedirs(dest)
         try:
@@ -255,32 +309,90 @@ class ReportedCheckpoints:
             raise
         return manifest
 
-    def newest(self, dest_for: Any, skip_above: int | None = None) -> tuple[int, str, dict] | None:
+    def newest(self, dest_for: Any, skip_above: int | None = None, *,
+               reuse: Any = None) -> tuple[int, str, dict] | None:
         """The newest reported checkpoint that verifies, downloaded into ``dest_for(seq)`` (a new local directory
-        path): (seq, that directory, manifest), or None when there is none. A damaged one is skipped with a
-        warning; another job's stops the search with :class:`CheckpointRefused`."""
-        errors = []
-        for seq in reversed(self.complete()):
-            if skip_above is not None and seq > skip_above:
-                continue
-            try:
-                dest = dest_for(seq)
-                return seq, dest, self.download(seq, dest)
-            except CheckpointCorrupt as exc:
-                if not self.loc.exists(f"{self._dir(seq)}/{MANIFEST}"):
-                    continue  # pruned while it was read (the writer moved on): the next older one
-                errors.append(str(exc))
-                _log.warning("%s; falling back to the previous reported checkpoint", exc)
+        path): (seq, that directory, manifest), or None when there is none. ``reuse(seq, manifest)``, if given,
+        may return a local directory already verified against that manifest instead (no download). A damaged one
+        is skipped with a warning; another job's stops the search with :class:`CheckpointRefused`. One found pruned
+        while it was read (the writer moved on) means newer ones exist: the listing is read again, from the newest
+        (up to :data:`LIST_ATTEMPTS` times, then :class:`CheckpointError`)."""
+        errors: dict[int, str] = {}
+        for _ in range(LIST_ATTEMPTS):
+            found, pruned = self._newest_once(dest_for, skip_above, reuse, errors)
+            if not pruned:
+                break
+        else:
+            raise CheckpointError(f"the reported checkpoints under {self.loc.url(self.loc.root)} were pruned while "
+                                  f"they were read, {LIST_ATTEMPTS} times in a row (a writer saving faster than they "
+                                  "download?); try again, or raise CheckpointConfig(num_to_keep=...)")
+        if found is not None:
+            return found
         if errors:
             raise CheckpointError(f"no valid reported checkpoint under {self.loc.url(self.loc.root)}: "
-                                  + "; ".join(errors))
+                                  + "; ".join(errors.values()))
         return None
+
+    def _newest_once(self, dest_for: Any, skip_above: int | None, reuse: Any,
+                     errors: dict[int, str]) -> tuple[tuple[int, str, dict] | None, bool]:
+        """One pass over the listing, newest first: (found or None, whether one was found pruned)."""
+        for seq in reversed(self.complete()):
+            if skip_above is not None and seq > skip_above or seq in errors:
+                continue
+            try:
+                manifest = self.manifest(seq)
+                local = reuse(seq, manifest) if reuse is not None else None
+                if local is None:
+                    local = dest_for(seq)
+                    self.download(seq, local, manifest)
+                return (seq, local, manifest), False
+            except CheckpointCorrupt as exc:
+                if not self.loc.exists(f"{self._dir(seq)}/{MANIFEST}"):
+                    return None, True  # pruned while it was read: newer ones were written, list again
+                errors[seq] = str(exc)
+                _log.warning("%s; falling back to the previous reported checkpoint", exc)
+        return None, False
 
 
 def _safe_relpath(rel: object) -> bool:
     """A manifest's file name: relative, '/'-separated, no '..' (a forged manifest must not write elsewhere)."""
     return (isinstance(rel, str) and rel != "" and not rel.startswith("/") and "\\" not in rel
             and all(part not in ("", ".", "..") for part in rel.split("/")))
+
+
+def _path_clash(files: dict) -> tuple[str, str] | None:
+    """Two names of a manifest that cannot both be files (``a`` and ``a/b``), or None."""
+    names = set(files)
+    for rel in sorted(names):
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in names:
+                return parent, rel
+    return None
+
+
+def verify_local(directory: str, manifest: dict) -> bool:
+    """True if local ``directory`` holds exactly the files ``manifest`` lists, each with its size and sha256."""
+    try:
+        present = _local_files(directory)
+    except (ValueError, OSError):
+        return False
+    files = manifest["files"]
+    if sorted(files) != present:
+        return False
+    for rel, entry in files.items():
+        sha, size = hashlib.sha256(), 0
+        try:
+            with open(os.path.join(directory, *rel.split("/")), "rb") as f:
+                while chunk := f.read(READ_CHUNK_BYTES):
+                    sha.update(chunk)
+                    size += len(chunk)
+        except OSError:
+            return False
+        if (size, sha.hexdigest()) != (entry["bytes"], entry["sha256"]):
+            return False
+    return True
 
 
 def _local_files(directory: str) -> list[str]:

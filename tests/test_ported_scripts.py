@@ -8,7 +8,8 @@ ring; every training sample is used exactly once per epoch (counted exactly: a p
 gradient is the batch's one-hot hits moves only with the optimizer's applied steps); every rank ends
 with identical parameters; the held-out accuracy is above chance; a torch ``DistributedSampler`` test
 split matches the final ring. The Ray Train port reports a checkpoint every epoch (``report(metrics,
-checkpoint=...)``) and resumes from ``get_checkpoint()`` after every worker was killed.
+checkpoint=...)``, uploaded in the background, flushed when ``fn`` returns) and resumes from ``get_checkpoint()``
+after every worker was killed.
 """
 
 from __future__ import annotations
@@ -127,18 +128,32 @@ def test_ray_train_fashion_mnist_port_survives_a_kill_and_a_join(ray_session, tm
     assert saved["epoch"] == epochs - 1 and saved["model"]["hits"].round().tolist() == value["seen"]
 
 
+def port_with_sync_reports(config):
+    """The port with its reports in Ray Train's default upload mode (``CheckpointUploadMode.SYNC``: rank 0's
+    ``report`` returns once the checkpoint is durable), so that a SIGKILL right after ``report`` finds it written
+    (with the background upload, elastic_ring's default, it would race the upload)."""
+    import functools
+
+    from ray.train import CheckpointUploadMode
+
+    import ray_integration
+
+    ray_train_fashion_mnist.report = functools.partial(ray_integration.report,
+                                                       checkpoint_upload_mode=CheckpointUploadMode.SYNC)
+    return ray_train_fashion_mnist.train_func_per_worker(config)
+
+
 def test_ray_train_port_resumes_from_get_checkpoint_after_every_worker_is_killed(ray_session, tmp_path):
-    """Every worker is SIGKILLed at once right after epoch 0's report (its checkpoint written by rank 0): the
-    run fails. The same script at the same storage path resumes from get_checkpoint() at epoch 1 and trains
-    each remaining sample once per epoch."""
+    """Every worker is SIGKILLed at once right after epoch 0's report (its checkpoint written by rank 0, reported
+    with checkpoint_upload_mode=SYNC): the run fails. The same script at the same storage path resumes from
+    get_checkpoint() at epoch 1 and trains each remaining sample once per epoch."""
     epochs, train_samples = 3, 768
     options = dict(scaling_config=ScalingConfig(num_workers=2), progress=False,
                    run_config=RunConfig(storage_path=str(tmp_path), name="fashion"))
     config = {"lr": 1e-3, "epochs": epochs, "batch_size_per_worker": 16, "train_samples": train_samples,
               "test_samples": 128, "count_hits": True, "checkpoint": True}
     with pytest.raises((RunFailed, WorkerError)):
-        ElasticTrainer(**options).run(ray_train_fashion_mnist.train_func_per_worker,
-                                      config={**config, "kill_all_after_epoch": 0})
+        ElasticTrainer(**options).run(port_with_sync_reports, config={**config, "kill_all_after_epoch": 0})
     first = ReportedCheckpoints(str(tmp_path / "fashion"))
     assert first.complete() == [1], first.complete()  # epoch 0's; the run died before it went on
     result = ElasticTrainer(**options).run(ray_train_fashion_mnist.train_func_per_worker, config=config)
