@@ -39,7 +39,8 @@ What changed from the original, line by line:
  9. ``[3] ray.train.report(metrics={...})`` -> ``report(metrics, checkpoint=...)`` (``from ray_integration``:
     rank 0's record reaches the driver, as Ray Train keeps rank 0's); with a location (``--storage-path``),
     rank 0 saves the model, the optimizer and the epoch into a temporary directory and reports it as
-    ``Checkpoint.from_directory(d)`` (uploaded and verified before ``report`` returns); then
+    ``Checkpoint.from_directory(d)`` (copied at once, then uploaded and verified in the background; pass
+    ``checkpoint_upload_mode=CheckpointUploadMode.SYNC`` to wait for it, Ray Train's default); then
     ``state.commit()`` at the epoch's end. The metrics also carry the epoch.
 10. ``train_func_per_worker`` returns the last metrics (``result.value``); ``result.metrics`` is the last
     reported record, as in Ray Train.

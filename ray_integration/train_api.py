@@ -157,7 +157,7 @@ def _send(metrics: dict) -> None:
     comm = ring_runtime.current_or_none()
     record = {"time": time.time(), "rank": comm.rank if comm else 0, "round": comm.spec.round_id if comm else None,
               "world_size": comm.size if comm else 1, **progress.current(), **metrics}
-    reporter = ring_report._reporter  # (er.report's; no public getter yet)
+    reporter = ring_report.current_reporter()
     if reporter is None:
         _log.info("report %s", metrics)
     else:

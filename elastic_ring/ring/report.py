@@ -29,6 +29,11 @@ def set_reporter(reporter: Reporter | None) -> None:
     _reporter = reporter
 
 
+def current_reporter() -> Reporter | None:
+    """Where reports go in this process (None: logged)."""
+    return _reporter
+
+
 def report(**metrics: Any) -> None:
     """Report metrics (numbers or short strings) of this step, e.g. ``er.report(loss=0.3, epoch=2)``."""
     for key, value in metrics.items():
