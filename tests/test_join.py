@@ -322,3 +322,93 @@ def test_a_peer_lost_while_a_rank_waits_in_join_raises_comm_error_there(ring):
     for rank in (0, 1):
         kind, seconds = results[rank]
         assert kind == "CommError" and seconds < 30
+
+
+# ------------------------------------------------------------------ the joined rank's own deadline
+def _peer_busy_longer_than_the_collective_timeout(busy_s: float, join_timeout_s: float | None):
+    """Rank 0 joins at once; rank 1 works ``busy_s`` (longer than collective_timeout_s) before its allreduce."""
+    rank = er.rank()
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            out = ("joined", er.join(timeout_s=join_timeout_s))
+        else:
+            time.sleep(busy_s)  # an evaluation pass, a checkpoint write
+            value = er.allreduce(torch.ones(2), op="sum").tolist()
+            out = ("reduced", value, er.join())
+        after = er.allreduce(torch.ones(1), op="sum").item()  # the ring is still usable
+    except er.CommError as exc:
+        return "CommError", str(exc)[:200], time.monotonic() - started
+    return out, after, time.monotonic() - started
+
+
+def test_a_joined_rank_outwaits_a_gap_longer_than_the_collective_timeout(ring):
+    """A joined rank's wait has its own long deadline (JOIN_WAIT_S), not collective_timeout_s (2 s here)."""
+    results = ring.run(_peer_busy_longer_than_the_collective_timeout, 4.0, None, world_size=2, timeout_s=60,
+                       collective_timeout_s=2)
+    assert results[0][:2] == (("joined", 1), 2.0)
+    assert results[1][:2] == (("reduced", [1.0, 1.0], 1), 2.0)
+    assert er.collectives.join.JOIN_WAIT_S >= 600
+
+
+def test_reaching_the_join_deadline_fails_the_ring_on_every_rank(ring):
+    """``join(timeout_s=1)`` while the peer works 3 s: CommError on the joined rank after about 1 s, and the
+    peer's next collective fails at once (documented: the ring must re-form)."""
+    results = ring.start(_peer_busy_longer_than_the_collective_timeout, 3.0, 1.0, world_size=2,
+                         collective_timeout_s=20).results(timeout_s=60)
+    kind, _, seconds = results[0]
+    assert kind == "CommError" and 0.9 < seconds < 10, results[0]
+    kind, _, seconds = results[1]
+    assert kind == "CommError" and seconds < 15, results[1]  # not its own 20 s deadline after the sleep
+
+
+def test_join_timeout_must_be_positive():
+    for bad in (0, -1.0, float("nan"), "10", True):
+        with pytest.raises(ValueError, match="join\\(timeout_s="):
+            er.join(timeout_s=bad)
+
+
+# ------------------------------------------------------------------ plans a joined rank cannot mirror
+def _unmirrorable_plans():
+    from elastic_ring.collectives.agreement import agree
+    from elastic_ring.reduction.signature import start_check
+    from elastic_ring.ring import runtime
+
+    rank = er.rank()
+    comm = runtime.current()
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            er.join()
+        except er.CommError:
+            return "CommError", time.monotonic() - started
+        return "returned", time.monotonic() - started
+    out = {}
+    bad = {"run": "allreduce", "op": "sum", "compression": "bogus", "threshold": 0, "tensors": [["float32", [2]]]}
+    try:  # validated by the callers before it is sent: every caller raises, the joined rank waits on
+        agree(comm, "custom call", [], None, None, join_plan=bad)
+        out["agree"] = None
+    except er.TensorMismatchError as exc:
+        out["agree"] = str(exc)
+    out["after"] = er.allreduce(torch.ones(2), op="sum").tolist()  # answered by the joined rank
+    # a plan that passes no caller's validation (a peer on another version): the joined rank fails the ring at
+    # once instead of leaving the callers waiting for their 20 s deadline
+    started = time.monotonic()
+    try:
+        start_check(comm, "odd step", [], None, join_plan={"run": "buckets", "op": "sum",
+                                                            "buckets": [["no_such_dtype", 3]]}).finish()
+        er.allreduce(torch.ones(3), op="sum")
+        out["odd"] = None
+    except er.CommError:
+        out["odd"] = "CommError"
+    out["odd_s"] = time.monotonic() - started
+    return out
+
+
+def test_a_plan_a_joined_rank_cannot_mirror_raises_on_the_callers_or_fails_the_ring_at_once(ring):
+    results = ring.start(_unmirrorable_plans, world_size=3, collective_timeout_s=20).results(timeout_s=60)
+    assert results[0][0] == "CommError" and results[0][1] < 15
+    for out in results[1:]:
+        assert out["agree"] is not None and "compression 'bogus'" in out["agree"], out
+        assert out["after"] == [2.0, 2.0]
+        assert out["odd"] == "CommError" and out["odd_s"] < 15, out

@@ -20,6 +20,7 @@ from ..backends.base import Communicator
 from ..backends.byte_collectives import allgather_bytes
 from ..core.errors import TensorMismatchError
 from ..reduction.signature import describe, start_check
+from .join_plans import parse as _parse_plan
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -87,13 +88,19 @@ def agree(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], tim
     if problem is not None:  # what the peers' mismatch message shows for this rank, when they made a valid call
         kind = f"{kind} with invalid arguments ({type(problem).__name__}: {problem})"[:_PROBLEM_CHARS]
     unanswerable = _UNANSWERABLE.get()
+    unmirrorable: list[str] = []  # why this call's plan could not be mirrored by a joined rank (if asked)
     check = start_check(comm, kind, entries, timeout_s, [flag, *values],
-                        join_plan=join_plan if problem is None and unanswerable is None else None)
+                        join_plan=_validated(join_plan, unmirrorable) if problem is None and unanswerable is None
+                        else None)
     try:
         got = check.finish()
     except TensorMismatchError as mismatch:
         if problem is not None:
             raise problem from mismatch
+        if unmirrorable and check.joined and str(mismatch).startswith(f"{kind} cannot run while"):
+            raise TensorMismatchError(
+                f"{kind} cannot run while a rank has joined (called join()): {unmirrorable[0]}; it did not run, the "
+                "joined ranks wait for the next call and the ring stays usable") from None
         if unanswerable is not None and check.joined and str(mismatch).startswith(f"{kind} cannot run while"):
             who = ", ".join(map(str, check.joined))
             raise TensorMismatchError(
@@ -106,6 +113,27 @@ def agree(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], tim
             raise problem
         raise ValueError(f"{kind}: {reported}; every rank raises (the collective did not run, the ring stays usable)")
     return got[1:]
+
+
+def _validated(join_plan: Any, problems: list[str]) -> Any:
+    """``join_plan`` (a value or a callable giving it), checked when a rank has joined: a plan a joined rank could
+    not mirror is sent as None ("cannot be answered", so every caller raises and the joined ranks wait on) and
+    the reason goes into ``problems``."""
+    if join_plan is None:
+        return None
+
+    def plan() -> Any:
+        value = join_plan() if callable(join_plan) else join_plan
+        if value is None:
+            return None
+        try:
+            _parse_plan(value)
+        except TensorMismatchError as exc:
+            problems.append(str(exc))
+            return None
+        return value
+
+    return plan
 
 
 def refuse(comm: Communicator, kind: str, entries: Sequence[tuple[str, str]], timeout_s: float | None,

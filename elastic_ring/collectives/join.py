@@ -44,33 +44,42 @@ first step: its agreement rides in its last bucket, with no check a joined rank
 could answer) cannot be joined: :func:`join` raises at once on a rank whose
 process has such an optimizer.
 
-Every wait of a joined rank has the collective's deadline (``timeout_s``,
-default ``collective_timeout_s``): a joined rank waits that long for the next
-collective of the others, and raises :class:`~elastic_ring.CommError` past it.
-A failure (a lost peer, an aborted round) raises ``CommError`` out of ``join()``,
-and the elastic loop re-forms as for any collective; the joined state belongs
-to the ``join()`` call, so after a re-form the loop re-enters and the ranks call
-``join()`` again when they run out of data.
+A joined rank waits for the others' next collective up to its own deadline: ``timeout_s`` of :func:`join`,
+default :data:`JOIN_WAIT_S` (30 minutes), not ``collective_timeout_s``, so that a gap between the others'
+collectives (an evaluation pass, a checkpoint write) does not end it (Horovod's join waits without limit).
+Once a collective has started, its data moves with the collective's deadline as usual. Reaching the join
+deadline is a failure of the whole ring: the joined rank raises :class:`~elastic_ring.CommError` and aborts its
+communicator, so the others' next collective raises ``CommError`` too and the elastic loop re-forms. A failure
+(a lost peer, an aborted round) ends the wait at once with ``CommError`` out of ``join()``, and the elastic
+loop re-forms as for any collective; the joined state belongs to the ``join()`` call, so after a re-form the
+loop re-enters and the ranks call ``join()`` again when they run out of data.
+
+Plans are validated (:mod:`elastic_ring.collectives.join_plans`) by the ranks that make the call, before they
+send them: one that a joined rank could not mirror (an unknown compressor, a tensor too large) makes every
+caller raise ``TensorMismatchError`` while the joined ranks wait on. Should mirroring still fail on a joined
+rank (a peer on another version, memory), it aborts the communicator, so the others fail at once with
+``CommError`` instead of waiting for their deadline.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
 
 import torch
 
 from ..backends.base import Communicator
 from ..backends.byte_collectives import broadcast_bytes
-from ..core.errors import TensorMismatchError
+from ..core.errors import CommError
 from ..core.ops import ReduceOp
 from ..reduction import reducer as _reducer
-from ..reduction.compression import Compression
 from ..reduction.signature import JoinProbe, judge, swap_views
 from ..ring import process_sets
 from . import tensors as _tensors
+from .join_plans import Mirror, parse
 
-#: The largest tensor (elements) a joined rank allocates from a peer's plan: plans are plain JSON from the ring.
-_MAX_ELEMENTS = 1 << 34
+#: How long a joined rank waits for the others' next collective by default (seconds): long, as Horovod's join
+#: waits without limit; reaching it fails the ring (see the module's docstring).
+JOIN_WAIT_S = 30 * 60.0
 
 
 def join(timeout_s: float | None = None) -> int:
@@ -78,10 +87,17 @@ def join(timeout_s: float | None = None) -> int:
 
     Returns the rank that joined last (the same on every rank; a rank of the process set inside
     ``process_sets.scope``): its state is the newest, broadcast from it to bring the others up to date.
+    ``timeout_s``: how long to wait for the others' next collective (default :data:`JOIN_WAIT_S`, 30 minutes);
+    reaching it raises :class:`~elastic_ring.CommError` here and fails the ring (the others' next collective
+    raises ``CommError``; the elastic loop re-forms). A lost peer or an aborted round raises ``CommError`` at once.
     Raises ``RuntimeError`` at once when this process has a ``DistributedOptimizer`` whose steps no joined rank
-    can answer (``strict_checks=False`` after the ring's first step), and :class:`~elastic_ring.CommError` when a
-    peer is lost or the others run no collective within ``timeout_s`` (default ``collective_timeout_s``).
+    can answer (``strict_checks=False`` after the ring's first step).
     """
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not math.isfinite(timeout_s) or timeout_s <= 0):
+        raise ValueError(f"join(timeout_s={timeout_s!r}): give a positive number of seconds, or None for "
+                         f"JOIN_WAIT_S ({JOIN_WAIT_S:g} s)")
+    wait_s = JOIN_WAIT_S if timeout_s is None else float(timeout_s)
     comm = process_sets.current()
     if process_sets.active() is None:  # the gradient reduction runs on the whole ring, never in a process set
         blockers = _reducer.join_blockers(comm)
@@ -96,46 +112,55 @@ def join(timeout_s: float | None = None) -> int:
         return comm.rank
     first = True
     while True:
-        last = JoinProbe(comm, first, timeout_s).finish()
+        last = JoinProbe(comm, first, wait_s).finish()
         first = False
         if last is not None:
             _reducer.after_join(comm)
             return last
-        verdict = judge(swap_views(comm, {"joined": True}, timeout_s))
+        verdict = judge(swap_views(comm, {"joined": True}, None))
         if verdict.error is None:
-            serve(comm, verdict.plan, timeout_s)
+            serve(comm, verdict.plan, None)
 
 
-def serve(comm: Communicator, plan: Any, timeout_s: float | None) -> None:
-    """Run the data path of ``plan`` (the others' call) with neutral data, as a joined rank."""
-    run = plan["run"]
-    if run == "none":
-        return
+def serve(comm: Communicator, plan: object, timeout_s: float | None) -> None:
+    """Run the data path of ``plan`` (the others' call) with neutral data, as a joined rank. A plan that cannot
+    be mirrored here (the others validated it before sending it) aborts the communicator: the others are
+    already moving data and would otherwise wait for their deadline."""
+    try:
+        mirror = parse(plan)
+        prepared = _prepare(mirror, comm.device)
+    except CommError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here must fail the ring at once, not by a timeout
+        raise comm.fail(exc) from exc
+    _run(comm, mirror, prepared, timeout_s)
+
+
+def _prepare(mirror: Mirror, device: torch.device) -> list[torch.Tensor]:
+    """The tensors a joined rank sends or receives for ``mirror`` (allocated before anything is sent)."""
+    if mirror.run in ("allreduce", "buckets"):
+        return [neutral(dtype, shape, mirror.op, device) for dtype, shape in mirror.layout]
+    if mirror.run in ("allgather", "broadcast"):
+        return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in mirror.layout]
+    return []
+
+
+def _run(comm: Communicator, mirror: Mirror, tensors: list[torch.Tensor], timeout_s: float | None) -> None:
+    run = mirror.run
     if run == "allreduce":
-        op = ReduceOp.parse(plan["op"])
-        compressor = getattr(Compression, plan["compression"])
-        tensors = [neutral(dtype, shape, op, comm.device) for dtype, shape in _layout(plan["tensors"])]
         with torch.no_grad():
-            _tensors._reduce(comm, tensors, op, compressor, int(plan["threshold"]), timeout_s, True)
+            _tensors._reduce(comm, tensors, mirror.op, mirror.compressor, mirror.threshold, timeout_s, True)
     elif run == "allgather":
-        rest = _shape(plan["rest"])
-        _tensors.gather_rows(comm, torch.empty((0, *rest), dtype=_dtype(plan["dtype"]), device=comm.device), None,
-                             timeout_s)
+        _tensors.gather_rows(comm, tensors[0], None, timeout_s)
     elif run == "broadcast":
-        tensors = [torch.empty(shape, dtype=dtype, device=comm.device) for dtype, shape in _layout(plan["tensors"])]
-        _tensors.broadcast_data(comm, tensors, int(plan["root"]), int(plan["threshold"]), timeout_s)
+        _tensors.broadcast_data(comm, tensors, mirror.root, mirror.threshold, timeout_s)
     elif run == "broadcast_bytes":
         comm.payload_name("broadcast_object")  # keep the object collectives' sequence numbers (their MACs) in step
-        broadcast_bytes(comm, None, int(plan["root"]), timeout_s)
+        broadcast_bytes(comm, None, mirror.root, timeout_s)
     elif run == "buckets":  # a DistributedOptimizer step: its buckets in launch order, reduced with op
-        op = ReduceOp.parse(plan["op"])
-        works = [comm.allreduce(neutral(dtype, [numel], op, comm.device), op, None)
-                 for dtype, numel in ((_dtype(d), int(n)) for d, n in plan["buckets"])]
+        works = [comm.allreduce(t, mirror.op, None) for t in tensors]
         for work in works:
             work.wait()
-    else:
-        raise TensorMismatchError(f"a joined rank was asked to mirror an unknown call {run!r}; every rank must run "
-                                  "the same elastic_ring version")
 
 
 def neutral(dtype: torch.dtype, shape: list[int], op: ReduceOp, device: torch.device) -> torch.Tensor:
@@ -151,28 +176,3 @@ def neutral(dtype: torch.dtype, shape: list[int], op: ReduceOp, device: torch.de
     else:
         value = info.max if op is ReduceOp.MIN else info.min
     return torch.full(shape, value, dtype=dtype, device=device)
-
-
-def _dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise TensorMismatchError(f"a joined rank got a plan with an unknown dtype {name!r}")
-    return dtype
-
-
-def _shape(shape: Any) -> list[int]:
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        raise TensorMismatchError(f"a joined rank got a plan with a malformed shape {shape!r:.100}")
-    elements = 1
-    for d in shape:
-        elements *= d
-    if elements > _MAX_ELEMENTS:
-        raise TensorMismatchError(f"a joined rank got a plan with a tensor of {elements} elements; refused")
-    return shape
-
-
-def _layout(entries: Any) -> list[tuple[torch.dtype, list[int]]]:
-    if not isinstance(entries, list):
-        raise TensorMismatchError(f"a joined rank got a plan with malformed tensors {entries!r:.100}")
-    return [(_dtype(e[0]), _shape(e[1])) for e in entries]

@@ -19,7 +19,7 @@ write rank 0's timeline (:mod:`.timeline`). The modules: :mod:`.errors`, :mod:`.
 :mod:`.optimizer`, :mod:`.elastic`. What elastic_ring does not offer is refused with an error that says so and
 what to use instead, never ignored: ``gradient_predivide_factor``, ``num_groups`` / ``groups``, and (as in
 Horovod) Adasum on a number of ranks that is not a power of two. ``join`` works with optimizer steps on the other
-ranks when each rank's optimizer is ``DistributedOptimizer(..., strict_checks=True)``.
+ranks: ``DistributedOptimizer`` leads each step with its check by default here (``strict_checks=True``).
 """
 
 from __future__ import annotations

@@ -278,25 +278,30 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 
 @_hvd_call
-def join(device: int = -1) -> int:
+def join(device: int = -1, *, timeout_s: float | None = None) -> int:
     """Horovod's ``join``: this rank ran out of data. It blocks, taking part in the other ranks' collectives
     (allreduce with the op's neutral element, zeros for Sum / Average, so ``Average`` still divides by the full
     size; barrier), until every rank has joined, and returns the rank that joined last, the same on every rank
     (``elastic_ring.join``). As in Horovod, every hvd allgather and broadcast (objects, ``broadcast_parameters``
     included), reducescatter and alltoall raise ``RuntimeError`` on the ranks that call them while a rank has
     joined (``er.allgather`` / ``er.broadcast`` answer a joined rank). Optimizer steps are answered (zero
-    gradients, Average divides by the full size) when every rank's optimizer leads each step with its check:
-    ``hvd.DistributedOptimizer(..., strict_checks=True)``. The default (``strict_checks=False``) carries a step's
-    agreement in its last bucket after the ring's first step, which no joined rank can answer, so ``join()``
-    raises ``RuntimeError`` at once in a process whose lean optimizer has stepped. ``device`` is Horovod's
-    device for the zeros: accepted, the ring's device is used."""
+    gradients, Average divides by the full size): ``hvd.DistributedOptimizer`` leads every step with its check by
+    default (``strict_checks=True``). One built with ``strict_checks=False`` carries a step's agreement in its
+    last bucket after the ring's first step, which no joined rank can answer, so ``join()`` raises
+    ``RuntimeError`` at once in a process whose such optimizer has stepped. ``device`` is Horovod's device for
+    the zeros: accepted, the ring's device is used.
+
+    ``timeout_s`` (elastic_ring's): how long the joined rank waits for the others' next collective (default
+    :data:`elastic_ring.collectives.join.JOIN_WAIT_S`, 30 minutes; Horovod waits without limit). Reaching it
+    fails the whole ring (``HorovodInternalError`` here, and on the others at their next collective; the
+    elastic loop re-forms). A lost peer or an aborted round ends the wait at once."""
     if isinstance(device, bool) or not isinstance(device, int):
         raise ValueError(f"join(device={device!r}): device is a device id (an int, -1 for the CPU)")
     try:
-        return er.join()
+        return er.join(timeout_s=timeout_s)
     except RuntimeError as exc:
         if type(exc) is not RuntimeError or "strict_checks=True" not in str(exc):
             raise  # a failed collective (HorovodInternalError via _hvd_call), a mismatch, ...
         raise RuntimeError(
-            f"hvd.join(): {exc}. In this API: build every rank's optimizer as hvd.DistributedOptimizer(..., "
-            "strict_checks=True)") from exc
+            f"hvd.join(): {exc}. In this API: build every rank's optimizer as hvd.DistributedOptimizer(...) "
+            "without strict_checks=False (its default, strict_checks=True, leads every step with a check)") from exc
