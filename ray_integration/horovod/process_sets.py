@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from elastic_ring.collectives.tensors import loose_entries as _loose_entries
-from elastic_ring.collectives.tensors import refuse as _refuse
+from elastic_ring.collectives.agreement import loose_entries as _loose_entries
+from elastic_ring.collectives.agreement import refuse as _refuse
 from elastic_ring.ring import process_sets as _process_sets
 
 from .topology import rank, size
