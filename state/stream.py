@@ -77,8 +77,11 @@ def check_stateful(dataset: Any) -> None:
 class ElasticStream:
     """This rank's batches of a stateful ``IterableDataset`` (module docstring); iterate it directly.
 
-    ``collate_fn`` (default torch's ``default_collate``) turns a rank's list of items into its batch;
-    a rank's share is empty only when a step has fewer items than ranks (``collate_fn`` gets ``[]``)."""
+    ``collate_fn`` (default torch's ``default_collate``) turns a rank's list of items into its batch.
+    A rank's share is empty only when fewer items than ranks remain in the epoch (its last step); it
+    still gets a batch for that step, so every rank runs the same steps: with the default collate, an
+    empty batch of the step's structure (every tensor with 0 rows, see :func:`empty_batch`); a
+    ``collate_fn`` of the user's gets ``[]``."""
 
     global_batch_size = None  # the step link's question: a stream's steps are world * batch_size items
     batches_per_step = 1
@@ -193,9 +196,10 @@ class ElasticStream:
             self._sizes[cursor] = size
             offset, count = share(size, self._world, self._rank)
             items = reader.items(cursor + offset, count)
+            template = reader.items(cursor, 1) if not items and self.collate_fn is default_collate else None
             cursor += size
             reader.cursor = cursor
-            yield self.collate_fn(items)
+            yield empty_batch(default_collate(template)) if template else self.collate_fn(items)
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -210,6 +214,29 @@ class ElasticStream:
         self.epoch, self.processed, self.step = state["epoch"], state["processed"], state["step"]
         self._resume = state.get("dataset")
         self.reset(self._rank, self._world)
+
+
+def _leaf_list(value: Any) -> bool:
+    """A collated column of plain values (``default_collate`` keeps strings as the list or tuple of them)."""
+    return (isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
+            and all(not isinstance(v, (torch.Tensor, list, tuple, dict)) for v in value))
+
+
+def empty_batch(batch: Any) -> Any:
+    """``batch`` (``default_collate`` of one item) with 0 rows: each tensor sliced to ``[:0]``, each list of
+    strings (or other plain values) empty, dicts and sequences kept with their keys and fields."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        emptied = {k: empty_batch(v) for k, v in batch.items()}
+        return emptied if type(batch) is dict else type(batch)(emptied)
+    if _leaf_list(batch):
+        return type(batch)()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(empty_batch(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(empty_batch(v) for v in batch)
+    return batch
 
 
 class _Reader:

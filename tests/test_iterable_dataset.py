@@ -99,6 +99,49 @@ def test_a_resize_mid_epoch_drops_what_was_read_ahead_and_seeks():
     assert stream.dataset.passes == 2
 
 
+class Records(Numbers):
+    """Numbers as dicts of a tensor, a string and an int: the structure an empty share must keep."""
+
+    def __iter__(self):
+        for i in super().__iter__():
+            yield {"x": torch.full((2,), float(i)), "name": f"item {i}", "id": i}
+
+
+def _all_ranks(make, world: int, saved: dict | None = None, **kw) -> list[list]:
+    """Every rank's batches of the rest of the epoch (each rank a fresh stream, as after a resume)."""
+    out = []
+    for rank in range(world):
+        stream = ElasticStream(make(), **kw)
+        if saved is not None:
+            stream.load_state_dict(saved)
+        stream.reset(rank, world)
+        batches = []
+        for batch in stream:
+            batches.append(batch)
+            stream.record_batch()
+        out.append(batches)
+    return out
+
+
+def test_a_rank_with_an_empty_share_gets_an_empty_batch_of_the_steps_structure():
+    got = _all_ranks(lambda: Numbers(3), 4, batch_size=1)  # 3 items, 4 ranks: rank 3's share is empty
+    assert [len(b) for b in got] == [1, 1, 1, 1], "every rank runs the same steps"
+    assert [b[0].tolist() for b in got[:3]] == [[i] for i in torch.randperm(3, generator=torch.Generator()
+                                                                               .manual_seed(1000)).tolist()]
+    assert got[3][0].shape == (0,) and got[3][0].dtype == torch.int64
+
+    first = ElasticStream(Numbers(5), batch_size=1)  # one rank: 4 of 5 items, then a resume on 2 ranks
+    assert len(_rank_items(first, steps=4)) == 4 and first.processed == 4
+    got = _all_ranks(lambda: Numbers(5), 2, saved=first.state_dict(), batch_size=1)
+    assert [len(b) for b in got] == [1, 1] and got[0][0].numel() == 1 and got[1][0].numel() == 0
+
+    empty = _all_ranks(lambda: Records(2), 3, batch_size=2)[2][0]
+    assert set(empty) == {"x", "name", "id"} and empty["x"].shape == (0, 2) and empty["name"] == []
+    assert empty["id"].shape == (0,)
+    mine = _all_ranks(lambda: Numbers(1), 2, batch_size=1, collate_fn=lambda items: ("mine", items))
+    assert [b[0] for b in mine] == [("mine", [0]), ("mine", [])], "a collate_fn of the user's gets []"
+
+
 def test_iterating_across_a_repartition_is_refused():
     stream = ElasticStream(Numbers(20), batch_size=2)
     it = iter(stream)

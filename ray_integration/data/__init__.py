@@ -11,7 +11,7 @@ before ``fn``; inside ``fn``, :func:`get_dataset_shard` gives an :class:`Elastic
     @er.elastic.run
     def loop(state):
         for state.epoch in range(state.epoch, epochs):
-            shard.set_epoch(state.epoch)
+            shard.set_epoch(state.epoch)     # the epoch is the shard's (saved) state, not one per iter_*() call
             for batch in shard.iter_torch_batches(batch_size=32):
                 ...; optimizer.step()
             state.commit()
@@ -22,7 +22,7 @@ See docs/ray_data.md for the design, its costs and what it needs from the datase
 from __future__ import annotations
 
 
-from .prepare import BlockSpan, PreparedDataset, PreparedDatasets, prepare_datasets
+from .prepare import BlockSpan, PreparedDataset, PreparedDatasets, block_digest, prepare_datasets
 from .shard import DEFAULT_BATCH_SIZE, ElasticDataShard, block_order
 
 _installed: PreparedDatasets | None = None
@@ -63,4 +63,4 @@ def installed() -> PreparedDatasets | None:
 
 
 __all__ = ["BlockSpan", "DEFAULT_BATCH_SIZE", "ElasticDataShard", "PreparedDataset", "PreparedDatasets",
-           "block_order", "get_dataset_shard", "install", "installed", "prepare_datasets"]
+           "block_digest", "block_order", "get_dataset_shard", "install", "installed", "prepare_datasets"]

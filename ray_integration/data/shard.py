@@ -13,17 +13,25 @@ What it adds is where a position's row comes from and the batch it yields:
   recently used first out) and sliced (contiguous rows) or gathered (shuffled rows).
 * **Batches.** ``iter_batches`` yields what Ray Data yields (a dict of column -> numpy array, or a
   pandas / pyarrow batch); ``iter_torch_batches`` a dict of column -> tensor.
+* **Epochs.** An iteration yields the rest of the shard's *current* epoch; the next epoch starts with
+  ``set_epoch`` (the epoch is part of the saved position). Iterating again after an iteration ran
+  to the end of the epoch, without ``set_epoch``, raises (Ray Data would start a new epoch there).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
+import warnings
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+import elastic_ring as er
+from elastic_ring.core.log import get_logger
 from elastic_ring.core.validation import check_int
 from state import ElasticSampler
 
@@ -32,8 +40,25 @@ from .prepare import BlockSpan, PreparedDataset
 
 #: Ray Data's default batch size (``iter_batches`` / ``iter_torch_batches``).
 DEFAULT_BATCH_SIZE = 256
+_log = get_logger(__name__)
+
 #: The longest a block's fetch from the object store may take.
 FETCH_TIMEOUT_S = 300.0
+#: Tries of one block's read when a try times out (the object store busy, a node slow to answer).
+FETCH_TRIES = 3
+#: Seconds between those tries.
+FETCH_RETRY_DELAY_S = 1.0
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failed read worth trying again: a timeout (Ray's GetTimeoutError is one) or Ray's fetch timeout."""
+    if isinstance(exc, TimeoutError):
+        return True
+    try:
+        from ray.exceptions import ObjectFetchTimedOutError
+    except ImportError:
+        return False
+    return isinstance(exc, ObjectFetchTimedOutError)
 
 
 def block_order(rows: Sequence[int], shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
@@ -56,14 +81,18 @@ def _ray_fetch(ref: Any) -> Any:
 
 class BlockCache:
     """The most recently used blocks of one shard (at most ``capacity``, plus those in flight), fetched on demand
-    or ahead of time on one background thread."""
+    or ahead of time on one background thread. A failed read is never cached: the next read of the block
+    fetches it again (a timeout is retried at once, :data:`FETCH_TRIES` tries in all). ``close()`` (or the
+    cache's collection) stops the thread."""
 
     def __init__(self, spans: Sequence[BlockSpan], fetch: Callable[[Any], Any], capacity: int) -> None:
         self._spans, self._fetch, self.capacity = spans, fetch, capacity
         self._blocks: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._numpy: dict[int, dict[str, np.ndarray]] = {}  # cached blocks as numpy columns, converted once
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stop_pool: weakref.finalize | None = None
         self.fetches = 0  # blocks fetched (or asked for ahead): what the tests and the benchmark read
+        self.retries = 0  # reads tried again after a failure
 
     def _load(self, b: int) -> Any:
         from ray.data.block import BlockAccessor
@@ -84,16 +113,41 @@ class BlockCache:
 
     def get(self, b: int, keep: int = 0) -> Any:
         """Block ``b`` (its span's rows), from the cache or fetched now."""
+        for attempt in range(1, FETCH_TRIES + 1):
+            try:
+                return self._get_once(b, keep)
+            except Exception as exc:  # the entry is gone (_get_once): the next try, or the next read, refetches
+                if attempt == FETCH_TRIES or not _transient(exc):
+                    raise
+                self.retries += 1
+                _log.warning("reading block %d of %d failed (%s: %s); trying again (%d of %d tries)", b,
+                             len(self._spans), type(exc).__name__, exc, attempt + 1, FETCH_TRIES)
+                time.sleep(FETCH_RETRY_DELAY_S)
+        raise AssertionError("unreachable")
+
+    def _get_once(self, b: int, keep: int) -> Any:
         if b in self._blocks:
             self._blocks.move_to_end(b)
             value = self._blocks[b]
             if isinstance(value, concurrent.futures.Future):
-                value = value.result(timeout=FETCH_TIMEOUT_S)
+                try:
+                    value = value.result(timeout=FETCH_TIMEOUT_S)
+                except BaseException:
+                    self._drop(b, value)
+                    raise
                 self._blocks[b] = value
             return value
         value = self._load(b)
         self._insert(b, value, keep)
         return value
+
+    def _drop(self, b: int, value: Any) -> None:
+        """Forget block ``b`` if the cache still holds ``value`` for it (a failed or abandoned read)."""
+        if self._blocks.get(b) is value:
+            del self._blocks[b]
+            self._numpy.pop(b, None)
+        if isinstance(value, concurrent.futures.Future):
+            value.cancel()
 
     def numpy(self, b: int, keep: int = 0) -> dict[str, np.ndarray]:
         """Block ``b`` as a dict of column -> numpy array (converted once while the block stays cached)."""
@@ -109,11 +163,28 @@ class BlockCache:
             if b not in self._blocks:
                 if self._pool is None:
                     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elastic-ring-blocks")
+                    # the thread ends with the cache even without close(); the finalizer must not hold the cache
+                    self._stop_pool = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
                 self._insert(b, self._pool.submit(self._load, b), keep)
 
     def clear(self) -> None:
+        for b, value in list(self._blocks.items()):
+            if isinstance(value, concurrent.futures.Future):
+                value.cancel()
         self._blocks.clear()
         self._numpy.clear()
+
+    def close(self) -> None:
+        """Drop every block and stop the background thread (a read after this starts a new one)."""
+        self.clear()
+        if self._stop_pool is not None:
+            self._stop_pool()  # shuts the pool down once; a second call does nothing
+        self._pool = self._stop_pool = None
+
+    @property
+    def thread_running(self) -> bool:
+        """Whether this cache's background thread exists and was not shut down."""
+        return self._pool is not None
 
 
 class ElasticDataShard(ElasticSampler):
@@ -137,7 +208,19 @@ class ElasticDataShard(ElasticSampler):
         self._firsts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64) if rows else np.zeros(0, np.int64)
         self._order: tuple[tuple[int, int, bool], torch.Tensor] | None = None
         self._cache = BlockCache(dataset.blocks, fetch or _ray_fetch, cache_blocks)
+        self._partition = 0       # bumped by every re-partition (reset, set_epoch, load_state_dict)
+        self._ran_out = -1        # the partition in which an iteration ran to the end of the epoch
+        self._saved = False       # state_dict() or load_state_dict() was called: a State holds the position
+        self._warned_unheld = False
         super().__init__(dataset.num_rows, batch_size, shuffle, seed, global_batch_size)
+
+    def reset(self, rank: int | None = None, world: int | None = None) -> None:
+        self._partition += 1
+        super().reset(rank, world)
+
+    def close(self) -> None:
+        """Drop the cached blocks and stop the background reader thread (also done when the shard is collected)."""
+        self._cache.close()
 
     @property
     def name(self) -> str:
@@ -195,7 +278,7 @@ class ElasticDataShard(ElasticSampler):
     def _blocks(self, prefetch_batches: int, numpy: bool) -> Iterator[Any]:
         """This rank's remaining batches of the epoch as blocks (or numpy columns), fetching the next
         ``prefetch_batches``' blocks ahead."""
-        batches = self._batches()
+        partition, batches = self._partition, self._batches()
         window: collections.deque[list[int]] = collections.deque()
         for indices in batches:
             window.append(indices)
@@ -204,6 +287,8 @@ class ElasticDataShard(ElasticSampler):
             yield self._next(window, numpy)
         while window:
             yield self._next(window, numpy)
+        if partition == self._partition:
+            self._ran_out = partition
 
     def _next(self, window: collections.deque, numpy: bool) -> Any:
         current = window.popleft()
@@ -216,8 +301,31 @@ class ElasticDataShard(ElasticSampler):
         return rows
 
     # ------------------------------------------------------------ Ray Data's iterators
+    def _check_epoch(self, what: str) -> None:
+        """RuntimeError if an iteration of this partition already ran to the end of the epoch and nothing is left."""
+        if self._ran_out == self._partition and self._consumed >= len(self._sizes):
+            raise RuntimeError(
+                f"{what}: shard {self.name!r} is at the end of epoch {self.epoch} (an earlier iteration yielded its "
+                f"last batch) and set_epoch() was not called since. In Ray Data every iter_*() call is a new epoch; "
+                f"here the epoch is part of the shard's saved position, so that it survives failures: call "
+                f"shard.set_epoch(epoch + 1) after each epoch, e.g. `for state.epoch in range(state.epoch, epochs): "
+                f"shard.set_epoch(state.epoch); for batch in shard.iter_torch_batches(...): ...` (docs/ray_data.md)")
+
+    def _check_held(self) -> None:
+        """Warn once when iterated in a ring without a State holding the position (it would not survive a failure)."""
+        if self._warned_unheld or self._linked or self._saved or er.runtime.current_or_none() is None:
+            return
+        self._warned_unheld = True
+        warnings.warn(
+            f"shard {self.name!r} is iterated in a ring, but no State holds its position (it was never linked to a "
+            f"DistributedOptimizer, saved or loaded): a failure would lose its place in the epoch. Keep it in the "
+            f"state, TorchState(..., sampler=shard), and iterate it inside @er.elastic.run", RuntimeWarning,
+            stacklevel=4)
+
     def _use(self, batch_size: Any, drop_last: Any, local_shuffle_buffer_size: Any, prefetch_batches: Any,
              what: str) -> None:
+        self._check_epoch(what)
+        self._check_held()
         if batch_size is None:
             raise ValueError(f"{what} batch_size=None (whole blocks) is not supported: every rank takes an equal "
                              "share of each step; give the rows per batch (Ray Data's default is 256)")
@@ -278,19 +386,26 @@ class ElasticDataShard(ElasticSampler):
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        self._saved = True
         prepared = self._prepared
         return {**super().state_dict(), "dataset": {"name": prepared.name, "rows": prepared.num_rows,
                                                     "blocks": len(prepared.blocks),
-                                                    "fingerprint": prepared.fingerprint}}
+                                                    "fingerprint": prepared.fingerprint,
+                                                    "shape": prepared.shape_fingerprint}}
 
     def load_state_dict(self, state: dict) -> None:
         saved, prepared = state.get("dataset"), self._prepared
         if saved is not None and (saved.get("rows"), saved.get("fingerprint")) != (prepared.num_rows,
                                                                                    prepared.fingerprint):
+            same_shape = saved.get("shape") == prepared.shape_fingerprint and saved.get("rows") == prepared.num_rows
+            why = ("the same rows per block and columns, but other values in the blocks (other data, the blocks in "
+                   "another order, or a random or time-dependent transform)" if same_shape else
+                   "resuming needs the same rows in the same blocks")
             raise ValueError(
                 f"the saved position is for dataset {saved.get('name')!r} of {saved.get('rows')} rows in "
                 f"{saved.get('blocks')} blocks (fingerprint {saved.get('fingerprint')}), but dataset {prepared.name!r} "
                 f"now has {prepared.num_rows} rows in {len(prepared.blocks)} blocks (fingerprint "
-                f"{prepared.fingerprint}): resuming needs the same rows in the same blocks; rebuild the dataset "
-                f"exactly as the run that saved it did (same files, same transforms, same block sizes)")
+                f"{prepared.fingerprint}): {why}; rebuild the dataset exactly as the run that saved it did (same "
+                f"files, same transforms, same block sizes)")
         super().load_state_dict(state)
+        self._saved = True
