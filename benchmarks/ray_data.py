@@ -12,7 +12,8 @@ The same dataset (``--rows`` rows of ``x`` (64 float32) and ``y``, in ``--blocks
 
 Each run reports the ring's training throughput (rows of all ranks / the slowest rank's time) over the
 epochs after the first (the first warms up: process start, imports, the first block reads). The
-configurations alternate run by run; the medians and the ratios to Ray Train are printed last.
+configurations alternate run by run; each run is printed as measured, the medians and the ratios to Ray
+Train last (a run that fails prints the medians of the runs before it, then the failure, and exits 1).
 
     python -m benchmarks.ray_data [--runs 3] [--workers 2] [--rows 65536] [--blocks 16] [--batch 128] [--epochs 3]
 """
@@ -25,6 +26,7 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -141,6 +143,34 @@ def check_ready(parser: argparse.ArgumentParser, args) -> None:
                        f"{args.workers * args.batch})\n")
 
 
+def summary(results: dict[str, list[float]]) -> None:
+    """The medians of what was measured, as ratios to Ray Train's when it was measured."""
+    theirs = statistics.median(results["Ray Train"]) if results.get("Ray Train") else None
+    for name, rates in results.items():
+        if not rates:
+            continue
+        median = statistics.median(rates)
+        ratio = f"{median / theirs:.2f}x Ray Train" if theirs else "Ray Train not measured"
+        print(f"{name:<22} median {median:10.0f} rows/s  ({ratio})  runs {', '.join(f'{r:.0f}' for r in rates)}",
+              flush=True)
+
+
+def measure_all(runs: int, measures: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """``runs`` rounds of every configuration, alternating; a failure prints the summary of the runs before it
+    (``Results.part``) and exits 1."""
+    from benchmarks._needs import Results
+
+    log = Results("benchmarks.ray_data")
+    results: dict[str, list[float]] = {name: [] for name in measures}
+    for run in range(runs):
+        for name, measure in measures.items():
+            with log.part(f"run {run + 1} of {name!r}", partial=lambda: summary(results)):
+                rate = measure()
+            results[name].append(rate)
+            log.add(f"run {run + 1}: {name:<20} {rate:10.0f} rows/s")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
@@ -159,26 +189,20 @@ def main() -> None:
 
     ray.init(address="local", num_cpus=args.workers + 2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    ds = ray.data.range(args.rows, override_num_blocks=args.blocks).map_batches(_features).materialize()
-    print(f"dataset: {args.rows} rows x {DIM} float32 in {ds.num_blocks()} blocks; {args.workers} workers, "
-          f"batch {args.batch}, {args.epochs} epochs (the first is a warm-up); {args.runs} runs", flush=True)
-    results: dict[str, list[float]] = {"ours, dataset order": [], "ours, shuffled": [], "Ray Train": []}
-    with tempfile.TemporaryDirectory() as storage:
-        for run in range(args.runs):
-            for name in results:
-                if name == "Ray Train":
-                    rate = measure_ray_train(ds, args, storage)
-                else:
-                    rate = measure_ours(ds, args, shuffle=name.endswith("shuffled"))
-                results[name].append(rate)
-                print(f"  run {run + 1}: {name:<20} {rate:10.0f} rows/s", flush=True)
-    theirs = statistics.median(results["Ray Train"])
-    for name, rates in results.items():
-        median = statistics.median(rates)
-        print(f"{name:<22} median {median:10.0f} rows/s  ({median / theirs:.2f}x Ray Train)  runs "
-              f"{', '.join(f'{r:.0f}' for r in rates)}")
-    ray.shutdown()
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        ds = ray.data.range(args.rows, override_num_blocks=args.blocks).map_batches(_features).materialize()
+        print(f"dataset: {args.rows} rows x {DIM} float32 in {ds.num_blocks()} blocks; {args.workers} workers, "
+              f"batch {args.batch}, {args.epochs} epochs (the first is a warm-up); {args.runs} runs", flush=True)
+        with tempfile.TemporaryDirectory() as storage:
+            results = measure_all(args.runs, {
+                "ours, dataset order": lambda: measure_ours(ds, args, shuffle=False),
+                "ours, shuffled": lambda: measure_ours(ds, args, shuffle=True),
+                "Ray Train": lambda: measure_ray_train(ds, args, storage),
+            })
+        summary(results)
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

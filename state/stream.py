@@ -102,6 +102,7 @@ class ElasticStream:
         self._on_repartition: Callable[[], None] | None = None
         self._reader: _Reader | None = None
         self._layout = 0     # bumped by every re-partition: an iteration of an older one stops
+        self._ran_out = (-1, 0)  # (layout, position) where an iteration reached the end of the epoch
         self.reset()
 
     # ------------------------------------------------------------ layout
@@ -179,7 +180,17 @@ class ElasticStream:
 
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
-        """This rank's batches of the rest of the epoch, one per step."""
+        """This rank's batches of the rest of the epoch, one per step (RuntimeError if an earlier iteration already
+        reached the epoch's end and ``set_epoch`` was not called since)."""
+        layout, end = self._ran_out
+        if layout == self._layout and self.processed >= end:
+            raise RuntimeError(
+                f"ElasticStream: epoch {self.epoch} is over (an earlier iteration reached its end) and set_epoch() "
+                f"was not called since; the epoch is part of the stream's saved position, so iterating again does "
+                f"not start a new one: call state.stream.set_epoch(epoch + 1) after each epoch")
+        return self._steps()
+
+    def _steps(self) -> Iterator[Any]:
         layout, per_step = self._layout, self._world * self.batch_size
         if self._reader is None or self._reader.cursor != self.processed:
             self._reader = _Reader(self.dataset, self.epoch, self.processed, self._resume)
@@ -191,6 +202,7 @@ class ElasticStream:
             reader.fill(cursor + 2 * per_step, boundaries=(cursor + per_step, cursor + 2 * per_step))
             available = reader.end - cursor
             if available == 0:
+                self._ran_out = (layout, cursor)
                 return
             size = available if reader.exhausted and available < 2 * per_step else per_step
             self._sizes[cursor] = size

@@ -142,6 +142,20 @@ def test_a_rank_with_an_empty_share_gets_an_empty_batch_of_the_steps_structure()
     assert [b[0] for b in mine] == [("mine", [0]), ("mine", [])], "a collate_fn of the user's gets []"
 
 
+def test_iterating_again_after_the_epochs_end_without_set_epoch_is_refused():
+    stream = ElasticStream(Numbers(6), batch_size=2)
+    with pytest.raises(RuntimeError, match=r"epoch 0 is over .*state\.stream\.set_epoch\(epoch \+ 1\)"):
+        for _ in range(2):  # a DataLoader habit: every iteration a new epoch
+            _rank_items(stream)
+    assert stream.processed == 6
+    stream.reset(0, 1)  # a recovery at the epoch's end: nothing left, no error
+    assert _rank_items(stream) == []
+    stream.set_epoch(1)
+    assert sorted(i for b in _rank_items(stream) for i in b) == list(range(6))
+    partial = ElasticStream(Numbers(6), batch_size=2)
+    assert len(_rank_items(partial, steps=1) + _rank_items(partial)) == 3, "a loop that breaks early goes on"
+
+
 def test_iterating_across_a_repartition_is_refused():
     stream = ElasticStream(Numbers(20), batch_size=2)
     it = iter(stream)

@@ -263,3 +263,27 @@ def test_the_digests_computed_where_the_blocks_live_equal_the_local_ones(ray_ses
     monkeypatch.setattr(prepare_module, "DIGESTS_IN_FLIGHT", 2)
     assert prepare_module._digests("t", spans) == here
     assert here == tuple(block_digest(ray_session.get(s.ref), s.start, s.rows) for s in spans)
+
+
+# ------------------------------------------------------------------ the benchmark
+def test_the_benchmark_prints_what_it_measured_when_a_later_run_fails(capsys):
+    from benchmarks import ray_data as bench
+
+    rates = iter([100.0, 80.0, 50.0, 110.0])
+
+    def measure() -> float:
+        rate = next(rates, None)
+        if rate is None:
+            raise RuntimeError("the cluster went away")
+        return rate
+
+    with pytest.raises(SystemExit) as info:
+        bench.measure_all(2, {"ours, dataset order": measure, "ours, shuffled": measure, "Ray Train": measure})
+    out, err = capsys.readouterr()
+    assert info.value.code == 1
+    assert "run 2 of 'ours, shuffled' failed; what was measured before it" in out, out
+    assert "ours, dataset order    median        105 rows/s  (2.10x Ray Train)  runs 100, 110" in out, out
+    assert "Ray Train              median         50 rows/s  (1.00x Ray Train)" in out
+    assert "failed with RuntimeError: the cluster went away" in err
+    done = bench.measure_all(1, {"Ray Train": lambda: 40.0})
+    assert done == {"Ray Train": [40.0]}
