@@ -412,3 +412,44 @@ def test_a_plan_a_joined_rank_cannot_mirror_raises_on_the_callers_or_fails_the_r
         assert out["agree"] is not None and "compression 'bogus'" in out["agree"], out
         assert out["after"] == [2.0, 2.0]
         assert out["odd"] == "CommError" and out["odd_s"] < 15, out
+
+
+# ------------------------------------------------------------------ which optimizers join() asks
+def _switched_optimizers(alternate: bool):
+    """A lean optimizer steps twice, then a strict one (another model) takes over; with ``alternate`` the lean
+    one keeps stepping in turn with it (as a GAN's two optimizers)."""
+    rank = er.rank()
+    old, new = _model(), _model()
+    lean = er.DistributedOptimizer(torch.optim.SGD(old.parameters(), lr=0.1), old.named_parameters(),
+                                   autotune=False)
+    strict = er.DistributedOptimizer(torch.optim.SGD(new.parameters(), lr=0.1), new.named_parameters(),
+                                     strict_checks=True, autotune=False)
+
+    def step(model, opt, k):
+        x, y = _batch(rank, k)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for k in range(2):
+        step(old, lean, k)
+    for k in range(2):
+        step(new, strict, k)
+        if alternate:
+            step(old, lean, k)
+    if rank == 1 and not alternate:  # one more batch on rank 1: rank 0 joins first and answers its strict step
+        step(new, strict, 5)
+    try:
+        return er.join()
+    except RuntimeError as exc:
+        if "strict_checks=True" not in str(exc):
+            raise
+        return "refused"
+
+
+def test_join_ignores_an_optimizer_another_has_superseded_on_the_ring(ring):
+    assert ring.run(_switched_optimizers, False, world_size=2, timeout_s=60) == [1, 1]
+
+
+def test_join_still_refuses_a_lean_optimizer_stepped_in_turn_with_a_strict_one(ring):
+    assert ring.run(_switched_optimizers, True, world_size=2, timeout_s=60) == ["refused", "refused"]
