@@ -113,6 +113,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed = 0
         self.step = 0
         self._linked = False
+        self._held_by_state = False  # a State holds it (set by State.__setattr__)
         #: Called before a new epoch starts (the step link settles a step the optimizer reduced and skipped).
         self._before_new_epoch: Callable[[], None] | None = None
         #: Called after every re-partition (the step link sizes the optimizer's next step for it).

@@ -109,6 +109,11 @@ class State:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or name == "resumed_from":
             raise AttributeError(f"state value names may not start with '_' or be 'resumed_from': {name!r}")
+        previous = self._handlers.get(name)
+        if previous is not None and isinstance(previous.value, _POSITIONS) and previous.value is not value:
+            previous.value._held_by_state = False  # (a sampler iterated outside every State warns: see data.shard)
+        if isinstance(value, _POSITIONS):
+            value._held_by_state = True
         self._handlers[name] = handler_for(value)
 
     # ------------------------------------------------------------ the step link

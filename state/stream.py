@@ -98,6 +98,7 @@ class ElasticStream:
         self.step = 0        # optimizer steps of the ring since the job began
         self._resume: Any = None  # the dataset's state_dict() after exactly `processed` items (None at 0)
         self._linked = False
+        self._held_by_state = False  # a State holds it (set by State.__setattr__)
         self._before_new_epoch: Callable[[], None] | None = None
         self._on_repartition: Callable[[], None] | None = None
         self._reader: _Reader | None = None

@@ -210,7 +210,6 @@ class ElasticDataShard(ElasticSampler):
         self._cache = BlockCache(dataset.blocks, fetch or _ray_fetch, cache_blocks)
         self._partition = 0       # bumped by every re-partition (reset, set_epoch, load_state_dict)
         self._ran_out = -1        # the partition in which an iteration ran to the end of the epoch
-        self._saved = False       # state_dict() or load_state_dict() was called: a State holds the position
         self._warned_unheld = False
         super().__init__(dataset.num_rows, batch_size, shuffle, seed, global_batch_size)
 
@@ -313,13 +312,13 @@ class ElasticDataShard(ElasticSampler):
 
     def _check_held(self) -> None:
         """Warn once when iterated in a ring without a State holding the position (it would not survive a failure)."""
-        if self._warned_unheld or self._linked or self._saved or er.runtime.current_or_none() is None:
+        if self._warned_unheld or self._held_by_state or er.runtime.current_or_none() is None:
             return
         self._warned_unheld = True
         warnings.warn(
-            f"shard {self.name!r} is iterated in a ring, but no State holds its position (it was never linked to a "
-            f"DistributedOptimizer, saved or loaded): a failure would lose its place in the epoch. Keep it in the "
-            f"state, TorchState(..., sampler=shard), and iterate it inside @er.elastic.run", RuntimeWarning,
+            f"shard {self.name!r} is iterated in a ring, but no State holds its position: a failure would lose its "
+            f"place in the epoch. Keep it in the state, TorchState(..., sampler=shard), and iterate it inside "
+            f"@er.elastic.run", RuntimeWarning,
             stacklevel=4)
 
     def _use(self, batch_size: Any, drop_last: Any, local_shuffle_buffer_size: Any, prefetch_batches: Any,
@@ -386,7 +385,6 @@ class ElasticDataShard(ElasticSampler):
 
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        self._saved = True
         prepared = self._prepared
         return {**super().state_dict(), "dataset": {"name": prepared.name, "rows": prepared.num_rows,
                                                     "blocks": len(prepared.blocks),
@@ -408,4 +406,3 @@ class ElasticDataShard(ElasticSampler):
                 f"{prepared.fingerprint}): {why}; rebuild the dataset exactly as the run that saved it did (same "
                 f"files, same transforms, same block sizes)")
         super().load_state_dict(state)
-        self._saved = True
