@@ -453,3 +453,43 @@ def test_join_ignores_an_optimizer_another_has_superseded_on_the_ring(ring):
 
 def test_join_still_refuses_a_lean_optimizer_stepped_in_turn_with_a_strict_one(ring):
     assert ring.run(_switched_optimizers, True, world_size=2, timeout_s=60) == ["refused", "refused"]
+
+
+# ------------------------------------------------------------------ what a joined rank learns from an agreement
+class _Notice(Exception):
+    pass
+
+
+def _raise_on_notice(values: list[int]) -> None:
+    if values[0]:
+        raise _Notice(f"notice {values[:2]}")
+
+
+def _agreement_raises_on_the_joined_rank_too():
+    from elastic_ring.collectives import join as join_module
+
+    join_module.add_answer_listener("test.notices", _raise_on_notice)
+    try:
+        rank = er.rank()
+        out = []
+        if rank == 0:
+            try:
+                er.join()
+            except _Notice as exc:
+                out.append(str(exc))
+        else:
+            quiet = er.agree_max("test.notices", [0, rank])  # answered, nothing raised on the joined rank
+            values = er.agree_max("test.notices", [rank - 1, 7])  # rank 2 has a notice: every caller acts on it
+            out.append((quiet, values))
+        out.append(er.allreduce(torch.ones(1), op="sum").item())  # the ring is usable, every rank out of join()
+        return out
+    finally:
+        join_module.remove_answer_listener("test.notices", _raise_on_notice)
+
+
+def test_a_joined_rank_raises_what_an_agreement_makes_the_callers_raise(ring):
+    """The hook the state layer's commit agreement uses: on a joined rank, a registered listener sees the values
+    the callers agreed on and raises out of join() (MembershipChanged / TrainingStopped there)."""
+    results = ring.run(_agreement_raises_on_the_joined_rank_too, world_size=3, timeout_s=60)
+    assert results[0] == ["notice [1, 7]", 3.0]
+    assert results[1] == results[2] == [([0, 2], [1, 7]), 3.0]

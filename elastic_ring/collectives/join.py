@@ -22,7 +22,8 @@ data:
   when the root has not joined. A broadcast whose root has joined raises
   :class:`~elastic_ring.TensorMismatchError` on every rank that called it
   (Horovod refuses every broadcast while a rank has joined);
-* barrier, ``agree_max``, ``State.commit``'s agreement: nothing more;
+* barrier, ``agree_max``, ``State.commit``'s agreement: nothing more; a layer that raises on the values such a
+  call agrees on registers :func:`add_answer_listener`, so that the joined rank raises the same out of ``join()``;
 * a ``DistributedOptimizer`` step with a leading check (``strict_checks=True``,
   or a ring's first step): zero gradient buckets, so Average divides by the full
   size, as Horovod;
@@ -64,6 +65,7 @@ rank (a peer on another version, memory), it aborts the communicator, so the oth
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -112,14 +114,42 @@ def join(timeout_s: float | None = None) -> int:
         return comm.rank
     first = True
     while True:
-        last = JoinProbe(comm, first, wait_s).finish()
+        probe = JoinProbe(comm, first, wait_s)
+        last = probe.finish()
         first = False
         if last is not None:
             _reducer.after_join(comm)
             return last
-        verdict = judge(swap_views(comm, {"joined": True}, None))
+        views = swap_views(comm, {"joined": True}, None)
+        verdict = judge(views)
         if verdict.error is None:
             serve(comm, verdict.plan, None)
+            kind = next(v["kind"] for v in views if not v.get("joined"))
+            for listener in list(_answer_listeners.get(kind, ())):
+                listener(list(probe.values))  # may raise: out of join(), as the others raise after the call
+
+
+#: ``kind`` -> the functions called when a joined rank answered a check of that kind (see add_answer_listener).
+_answer_listeners: dict[str, list[Callable[[list[int]], None]]] = {}
+
+
+def add_answer_listener(kind: str, fn: Callable[[list[int]], None]) -> None:
+    """Call ``fn(values)`` on a joined rank each time it answered a call of ``kind`` (e.g. ``er.agree_max(kind,
+    ...)``), with the maxima of its values over the ranks that made it (zeros beyond them). What ``fn`` raises
+    comes out of ``join()``: a layer whose call makes every caller raise on some values (``State.commit``'s
+    agreement raising ``MembershipChanged``) raises the same on the joined rank. Idempotent per ``fn``."""
+    if not isinstance(kind, str) or not kind or not callable(fn):
+        raise ValueError(f"add_answer_listener(kind={kind!r}, fn={fn!r}): give a non-empty kind and a callable")
+    listeners = _answer_listeners.setdefault(kind, [])
+    if fn not in listeners:
+        listeners.append(fn)
+
+
+def remove_answer_listener(kind: str, fn: Callable[[list[int]], None]) -> None:
+    """Undo :func:`add_answer_listener` (nothing when ``fn`` is not there)."""
+    listeners = _answer_listeners.get(kind, [])
+    if fn in listeners:
+        listeners.remove(fn)
 
 
 def serve(comm: Communicator, plan: object, timeout_s: float | None) -> None:

@@ -227,12 +227,17 @@ class JoinProbe:
         padded = [JOIN_MARK, -(JOIN_MARK + _RANKS) + flag] + [0] * VALUE_SLOTS
         self._probe = torch.tensor(padded, dtype=torch.int64).to(comm.device)
         self._work = comm.allreduce(self._probe, ReduceOp.MAX, timeout_s)
+        #: After finish(): the maxima of the check's value slots over the ranks that have not joined (what their
+        #: ``finish()`` returns for a check without a step, e.g. ``agree_max``'s values).
+        self.values: list[int] = []
 
     def finish(self) -> int | None:
         """Wait: the rank that joined last when every rank has joined (the join is over), else None (a rank
         that has not joined runs a collective: swap views with :func:`swap_views`, then :func:`judge`)."""
         self._work.wait()
-        hi, neg_lo = self._probe.tolist()[:2]
+        words = self._probe.tolist()
+        hi, neg_lo = words[:2]
+        self.values = words[2:]
         if hi != JOIN_MARK:
             raise TensorMismatchError(f"a joined rank's check met data that is not a check (first word {hi}); a "
                                       "collective without a check ran while a rank waited in join()")
