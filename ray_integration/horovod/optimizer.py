@@ -177,9 +177,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     (uneven data, the default optimizer, ``hvd.join()``) runs unchanged. ``False`` is the faster opt-out
     (``elastic_ring.DistributedOptimizer``'s default): after the ring's first step the step's agreement rides
     inside its last bucket (no extra collective), and ``hvd.join()`` then raises at once. The check's cost,
-    measured with ``python -m benchmarks.step`` on 2 gloo ranks of a loaded 2-core CPU machine (medians over 9
-    blocks, noisy): about 6 % of the step's throughput on a 4x1024 MLP (53 ms steps), about 15 % on a 30x64 MLP
-    (5 ms steps, overhead-bound); docs/migration.md. The process-set and Adasum forms reduce with checked
+    measured with ``python -m benchmarks.step`` on 2 gloo ranks of a loaded 2-core CPU machine (two runs,
+    medians over 9 blocks each, noisy): 6-9 % of the step's throughput on a 4x1024 MLP (53 ms steps), 15-25 % on
+    a 30x64 MLP (5-9 ms steps, overhead-bound); docs/migration.md. The process-set and Adasum forms reduce with checked
     collectives at every step already and accept either value."""
     if not isinstance(strict_checks, bool):
         raise ValueError(f"strict_checks={strict_checks!r} must be True or False")

@@ -59,10 +59,12 @@ class _StepReduced:
         raise NotImplementedError
 
     def synchronize(self) -> None:
-        with _horovod_errors():
-            self._hvd_reduce()
+        try:
+            with _horovod_errors():
+                self._hvd_reduce()
+        finally:
+            self._hvd_passes.clear()  # a failed step is retried from a new backward pass (the elastic loop)
         self._hvd_synchronized = True
-        self._hvd_passes.clear()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -129,23 +131,24 @@ class _AdasumDelta(_StepReduced):
 
     def step(self, closure=None):  # noqa: D401 - torch's signature
         params = [p for _, p in self._hvd_named]
-        with _horovod_errors():
-            self._agree_before_step(params)
-            with torch.no_grad():
-                starts = [p.detach().clone() for p in params]
-            saved = _optimizer_state(self, params)
-            try:
-                loss = super(_StepReduced, self).step(closure)  # the wrapped optimizer's own step, locally
+        try:
+            with _horovod_errors():
+                self._agree_before_step(params)
                 with torch.no_grad():
-                    self._apply_adasum(params, starts)
-            except BaseException:
-                with torch.no_grad():
-                    for p, s in zip(params, starts):
-                        p.copy_(s)
-                _restore_state(self, params, saved)
-                raise
-            finally:
-                self._hvd_passes.clear()
+                    starts = [p.detach().clone() for p in params]
+                saved = _optimizer_state(self, params)
+                try:
+                    loss = super(_StepReduced, self).step(closure)  # the wrapped optimizer's own step, locally
+                    with torch.no_grad():
+                        self._apply_adasum(params, starts)
+                except BaseException:
+                    with torch.no_grad():
+                        for p, s in zip(params, starts):
+                            p.copy_(s)
+                    _restore_state(self, params, saved)
+                    raise
+        finally:
+            self._hvd_passes.clear()  # a failed step is retried from a new backward pass (the elastic loop)
         return loss
 
     def _agree_before_step(self, params: list[torch.Tensor]) -> None:
