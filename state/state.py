@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 import elastic_ring as er
+from elastic_ring.collectives import join as _join
 from elastic_ring.core.log import get_logger
 
 from . import membership
@@ -68,6 +69,21 @@ def set_resume_listener(listener: Callable[[dict], None] | None) -> None:
 def default_checkpointing() -> CheckpointConfig | None:
     """The checkpointing States of this process get by default (:func:`set_default_checkpointing`), or None."""
     return _default_checkpointing
+
+
+def _on_joined_commit_answer(values: list[int]) -> None:
+    """On a rank waiting in ``er.join()`` that answered the others' ``State.commit`` agreement: raise what they
+    raise (``TrainingStopped`` / ``MembershipChanged``), so the joined rank leaves for the next ring with them
+    instead of learning of it from a torn-down connection. (It persists nothing: the ranks with data do.)"""
+    changed, _persist, stop = (list(values) + [0, 0, 0])[:3]
+    if changed or stop:
+        membership.clear_membership_change()
+        if stop:
+            raise membership.TrainingStopped("the job was asked to stop (at a commit of the ranks with data)")
+        raise er.MembershipChanged("the ring's membership changes at a commit of the ranks with data")
+
+
+_join.add_answer_listener("State.commit", _on_joined_commit_answer)
 
 
 def set_default_checkpointing(config: CheckpointConfig | None) -> None:

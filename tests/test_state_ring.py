@@ -66,6 +66,34 @@ def test_membership_change_raises_on_every_rank_at_the_same_commit(ring):
     assert ring.run(_membership_agreement, 1, 99) == [None, None, None]  # the flag was consumed
 
 
+def _membership_change_reaches_a_joined_rank(stop: bool):
+    from state import TrainingStopped, request_stop
+
+    state = TorchState(step=0)
+    if er.rank() == 2:  # out of data: waits in join() while the others commit
+        try:
+            er.join()
+        except (er.MembershipChanged, TrainingStopped) as exc:
+            return type(exc).__name__
+        return "join returned"
+    for step in range(1, 4):
+        state.step = step
+        if er.rank() == 1 and step == 2:
+            request_stop() if stop else request_membership_change()
+        try:
+            state.commit()
+        except (er.MembershipChanged, TrainingStopped) as exc:
+            return type(exc).__name__
+    return None
+
+
+def test_a_membership_change_at_a_commit_reaches_a_rank_waiting_in_join(ring):
+    """The ranks with data raise MembershipChanged (TrainingStopped) at a commit; the rank waiting in er.join(),
+    which answered that commit's agreement, raises the same out of join() instead of waiting for a torn ring."""
+    assert ring.run(_membership_change_reaches_a_joined_rank, False) == ["MembershipChanged"] * 3
+    assert ring.run(_membership_change_reaches_a_joined_rank, True) == ["TrainingStopped"] * 3
+
+
 N_SAMPLES, EPOCHS, BATCH, COMMIT_EVERY = 60, 2, 2, 3
 
 
