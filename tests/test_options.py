@@ -48,7 +48,7 @@ TRAINER = [
     (dict(checkpoint_keep_last=True), "checkpoint_keep_last=True must be an int >= 1"),
     (dict(checkpoint_uri="/data/c", trusted_checkpoints="yes"), "trusted_checkpoints='yes' must be True or False"),
     (dict(trusted_checkpoints=True), "trusted_checkpoints=True has no effect without checkpoint_uri"),
-    (dict(max_failures=-1), "max_failures=-1 must be an int >= 0"),
+    (dict(max_failures=-2), "max_failures=-2 must be an int >= 0; or -1 for no limit"),
     (dict(failure_window_s=0), "failure_window_s=0"),
     (dict(failure_window_s=NAN), "failure_window_s=nan must be a finite number of seconds"),
     (dict(checkpoint_uri="/tmp/x", lease_ttl_s=0.5), "lease_ttl_s=0.5 must be in [1, 120] seconds"),
