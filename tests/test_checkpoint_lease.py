@@ -97,7 +97,7 @@ def _kill(proc):
         proc.wait(30)
 
 
-@pytest.mark.parametrize("kind", ["file", "object"])
+@pytest.mark.parametrize("kind", ["file", pytest.param("object", marks=pytest.mark.slow)])  # object: ~10 s
 def test_two_live_jobs_refused_then_a_crashed_holder_is_taken_over(tmp_path, job_script, kind):
     uri = str(tmp_path / "ckpt") if kind == "file" else object_uri(tmp_path / "ckpt")
     first = _start(job_script, uri, "run-first", "hold")

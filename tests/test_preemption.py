@@ -70,7 +70,7 @@ def finish(paths) -> dict:
     return json.loads(line[0][len("RESULT "):])
 
 
-@pytest.mark.slow  # ~40 s; CI covers resuming a run in tests/test_trainer_ray.py and the SIGTERM resume below
+@pytest.mark.slow  # ~40 s; CI covers resuming a run in tests/test_trainer_ray.py and tests/test_stop.py
 def test_whole_cluster_sigkilled_then_the_same_script_resumes(job):
     proc = start(job)
     killed_at_step = wait_for_step(job["progress"], 14)
@@ -118,6 +118,7 @@ def sigterm_then_resume(job, mode: str, resume: bool = True) -> dict:
     return stopped
 
 
+@pytest.mark.slow  # ~38 s; SIGTERM's final checkpoint and stopped Result stay covered by tests/test_stop.py
 def test_sigterm_writes_a_final_checkpoint_and_returns_a_stopped_result(job):
     sigterm_then_resume(job, "main")
 

@@ -230,6 +230,7 @@ def first_block_last(marks: str, blocks: int):
     return transform
 
 
+@pytest.mark.slow  # ~11-24 s: a real 8-block pipeline (the fingerprint check itself has fast tests)
 def test_prepare_datasets_keeps_the_dataset_order_and_fingerprints_the_values(ray_session, tmp_path):
     import ray.data
 

@@ -326,7 +326,7 @@ def test_a_takeover_is_seen_at_once_even_while_renewal_writes_fail(tmp_path, fau
 
 
 # ------------------------------------------------------------------ slow storage
-@pytest.mark.parametrize("kind", ["file", "object"])
+@pytest.mark.parametrize("kind", ["file", pytest.param("object", marks=pytest.mark.slow)])  # object: ~13 s
 def test_slow_writes_are_not_failures_nothing_queues_up_and_the_lease_is_kept(tmp_path, faulty_fs, events, kind):
     uri = f"faultyfile://{tmp_path}" if kind == "file" else f"faultyobj://{tmp_path}"
     lease = CheckpointLease(uri, RUN, ttl_s=2.0).acquire()

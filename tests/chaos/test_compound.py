@@ -129,6 +129,7 @@ def test_sigterm_racing_a_join_commit_stops_cleanly_and_resumes_exactly(scenario
     stop_then_resume(scenario, "sigterm_at_join")
 
 
+@pytest.mark.slow  # ~23 s (CI time); writer errors and SIGTERM each keep their default-suite tests
 def test_a_writer_error_then_sigterm_exits_within_seconds_saying_so(scenario):
     out = run_script(scenario, "writer_error")
     ended = time.time()
