@@ -145,7 +145,10 @@ def test_rogue_client_cannot_run_code_and_cannot_hang_the_job(ray_session, tmp_p
         assert "authentication" in str(outcome), outcome
     else:
         assert outcome.value["identical"] and outcome.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
-        assert "worker_lost" in [e.kind for e in outcome.events]
+        # a failure was recovered from under the attack: the injected kill at (round 1, rank 2, step 8), or, when
+        # round 1 did not reach that step (it re-formed first, or formed with 2 workers), a re-form after failure
+        kinds = [e.kind for e in outcome.events]
+        assert "worker_lost" in kinds or "recovered" in kinds, kinds
 
 
 
