@@ -89,6 +89,16 @@ class LeaseBase(abc.ABC):
         if lost is not None:
             raise lost
 
+    def _held_generation(self) -> int:
+        """The generation this run holds; raises if it holds none or lost it (what every renewal checks first)."""
+        with self._state:
+            generation, lost = self._generation, self._lost
+        if generation is None:
+            raise CheckpointError(f"the lease on {self.uri} is not held")
+        if lost is not None:
+            raise lost
+        return generation
+
     def _loss(self) -> CheckpointLeaseLost | None:
         with self._state:
             return self._lost

@@ -168,12 +168,7 @@ class FileLease(LeaseBase):
         """Verify once that this run still holds the location (the watcher thread does this every
         ``renew_every_s``): the lock file is the one locked, the record names this run. Raises
         :class:`CheckpointLeaseLost` if not, the storage's error if the record cannot be read."""
-        with self._state:
-            generation, lost = self._generation, self._lost
-        if generation is None:
-            raise CheckpointError(f"the lease on {self.uri} is not held")
-        if lost is not None:
-            raise lost
+        generation = self._held_generation()
         if _identity(self.lock_path) != self._lock_identity:
             raise self._lose(f"its lock file {self.lock_path} was removed or replaced while this run held it (the "
                              "location was cleaned?), so another run may lock the new file", "lock_file_replaced")

@@ -214,12 +214,7 @@ class ObjectStoreLease(LeaseBase):
         :class:`CheckpointLeaseLost` if the lease is lost (taken over, or renewed too late), the
         storage's error if the write failed (the caller retries)."""
         with self._lock:
-            with self._state:
-                generation, lost = self._generation, self._lost
-            if generation is None:
-                raise CheckpointError(f"the lease on {self.uri} is not held")
-            if lost is not None:
-                raise lost
+            generation = self._held_generation()
             started = time.monotonic()
             newest = _generations(self.loc)[-1:]
             if newest and newest[0] > generation:

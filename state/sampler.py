@@ -72,7 +72,7 @@ from elastic_ring.core.validation import check_bool, check_int, is_int
 import bisect
 from typing import Callable
 
-from .sampler_layout import global_steps, share, step_sizes
+from .sampler_layout import global_steps, ring_position, share, step_sizes
 
 _WRAPPED = ("ElasticSampler is a batch sampler: pass it as DataLoader(dataset, batch_sampler=sampler) (and no "
             "batch_size / shuffle / sampler / drop_last); it was passed as sampler=, which would yield batches of batches")
@@ -126,11 +126,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
         ``rank`` and ``world`` default to the current ring's (0 and 1 without a ring).
         """
-        comm = er.runtime.current_or_none()
-        if rank is None or world is None:
-            rank, world = (comm.rank, comm.size) if comm is not None else (0, 1)
-        if not 0 <= rank < world:
-            raise ValueError(f"rank={rank} is not in 0..{world - 1}")
+        rank, world = ring_position(rank, world)
         self._rank, self._world = rank, world
         self._base = self.processed
         self._done = 0   # batches consumed since this re-partition

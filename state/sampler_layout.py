@@ -24,6 +24,8 @@ sizes per step; progress stays one integer.
 
 from __future__ import annotations
 
+import elastic_ring as er
+
 
 def step_sizes(remaining: int, world: int, batch_size: int) -> list[int]:
     """Global sizes of the remaining steps (positions per step, summed over ranks)."""
@@ -75,3 +77,13 @@ def global_steps(remaining: int, world: int, batch_size: int, global_batch_size:
 def micro_step_sizes(remaining: int, world: int, batch_size: int, global_batch_size: int) -> list[int]:
     """Global sizes of the remaining micro-batch chunks, flattened over the steps of :func:`global_steps`."""
     return [chunk for step in global_steps(remaining, world, batch_size, global_batch_size) for chunk in step]
+
+
+def ring_position(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
+    """``(rank, world)``: as given, else the current ring's (0 and 1 without a ring); checked."""
+    if rank is None or world is None:
+        comm = er.runtime.current_or_none()
+        rank, world = (comm.rank, comm.size) if comm is not None else (0, 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is not in 0..{world - 1}")
+    return rank, world

@@ -54,7 +54,7 @@ from elastic_ring.core.validation import check_bool, check_int
 
 from elastic_ring.core.log import get_logger
 
-from .sampler_layout import share
+from .sampler_layout import ring_position, share
 
 _log = get_logger(__name__)
 
@@ -109,11 +109,7 @@ class ElasticStream:
     # ------------------------------------------------------------ layout
     def reset(self, rank: int | None = None, world: int | None = None) -> None:
         """Re-cut the rest of the epoch for the current ring (after a resize, restore or sync)."""
-        comm = er.runtime.current_or_none()
-        if rank is None or world is None:
-            rank, world = (comm.rank, comm.size) if comm is not None else (0, 1)
-        if not 0 <= rank < world:
-            raise ValueError(f"rank={rank} is not in 0..{world - 1}")
+        rank, world = ring_position(rank, world)
         self._rank, self._world = rank, world
         self._reader = None  # items read ahead were cut for the old ring: the next pass seeks to `processed`
         self._layout += 1
