@@ -1,4 +1,5 @@
-"""Horovod's error types, and the translation of a failed collective's ``CommError`` into them."""
+"""Horovod's error types (:class:`HorovodInternalError` lives with every public error of ray_integration in
+:mod:`ray_integration.errors`), and the translation of a failed collective's ``CommError`` into them."""
 
 from __future__ import annotations
 
@@ -8,19 +9,7 @@ from typing import Callable, Iterator
 
 import elastic_ring as er
 
-
-class HorovodInternalError(er.CommError, RuntimeError):
-    """Horovod's ``HorovodInternalError``: a collective failed (a lost peer, a timeout, a broken connection).
-
-    A ``RuntimeError``, as Horovod's, so ``except RuntimeError`` in a Horovod script catches it; and an
-    :class:`elastic_ring.CommError`, so the elastic loop rolls back and re-forms as for any failed collective.
-    Every call of this module (collectives, ``synchronize``, ``broadcast_parameters``, the
-    ``DistributedOptimizer``'s ``step`` / ``synchronize`` and its bucket launches inside ``loss.backward()``)
-    raises it in place of a ``CommError``; the state's
-    own methods (``state.commit()``, ``state.sync()``) raise the plain ``elastic_ring.CommError``, its base
-    class (``except er.CommError`` catches both). A membership change stays a separate exception
-    (:data:`HostsUpdatedInterrupt`), as in Horovod."""
-
+from ..errors import HorovodInternalError
 
 #: Horovod's "the hosts changed": the membership changes at a commit (re-form without rolling back).
 HostsUpdatedInterrupt = er.MembershipChanged

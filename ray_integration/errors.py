@@ -1,0 +1,60 @@
+"""Every error ``ray_integration`` raises to its users, under one root, :class:`RayIntegrationError`.
+
+``except ray_integration.RayIntegrationError`` catches any of them. Each keeps the base it had before
+(``RuntimeError`` for the trainer's, ``RuntimeError`` and :class:`elastic_ring.CommError` for Horovod's), so
+code that catches those still does. This module imports nothing of ray_integration: every sub-package may
+import it.
+
+* :class:`RunFailed`: ``ElasticTrainer.run`` ended without a result; the message says why and what to change.
+* :class:`WorkerError`: ``fn`` raised on a worker (or the worker could not run it), with the remote traceback.
+* :class:`HorovodInternalError`: Horovod's ``hvd.HorovodInternalError``, a failed collective of ``hvd``.
+* :class:`WorkerGaveUp` is internal: a worker tells the driver, through Ray, that it lost the job's rendezvous
+  for good (the driver counts it as a lost worker and replaces it); users never see it.
+"""
+
+from __future__ import annotations
+
+import elastic_ring as er
+
+
+class RayIntegrationError(Exception):
+    """The root of ray_integration's errors."""
+
+
+class RunFailed(RayIntegrationError, RuntimeError):
+    """The job ended without a result; the message says why and what to change."""
+
+
+class WorkerError(RayIntegrationError, RuntimeError):
+    """``fn`` raised on a worker (or the worker could not run it): carries the rank, the node and the
+    remote traceback."""
+
+    def __init__(self, worker_id: str, rank: int | None, node_id: str, hostname: str, tb: str,
+                 what: str = "fn raised") -> None:
+        self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback = worker_id, rank, node_id, hostname, tb
+        self.what = what
+        super().__init__(f"{what} on rank {rank} (worker {worker_id}, node {node_id[:12]} {hostname}):\n{tb}")
+
+    def __reduce__(self):
+        return (WorkerError, (self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback, self.what))
+
+
+class WorkerGaveUp(RayIntegrationError, RuntimeError):
+    """This worker lost its rendezvous with the driver or its store connection for good: the driver counts
+    it as a lost worker and replaces it (a store blip at one worker never ends the job)."""
+
+
+class HorovodInternalError(RayIntegrationError, er.CommError, RuntimeError):
+    """Horovod's ``HorovodInternalError``: a collective failed (a lost peer, a timeout, a broken connection).
+
+    A ``RuntimeError``, as Horovod's, so ``except RuntimeError`` in a Horovod script catches it; and an
+    :class:`elastic_ring.CommError`, so the elastic loop rolls back and re-forms as for any failed collective.
+    Every call of ``ray_integration.horovod`` (collectives, ``synchronize``, ``broadcast_parameters``, the
+    ``DistributedOptimizer``'s ``step`` / ``synchronize`` and its bucket launches inside ``loss.backward()``)
+    raises it in place of a ``CommError``; the state's
+    own methods (``state.commit()``, ``state.sync()``) raise the plain ``elastic_ring.CommError``, its base
+    class (``except er.CommError`` catches both). A membership change stays a separate exception
+    (``hvd.HostsUpdatedInterrupt``, elastic_ring's ``MembershipChanged``), as in Horovod."""
+
+
+__all__ = ["HorovodInternalError", "RayIntegrationError", "RunFailed", "WorkerError", "WorkerGaveUp"]
