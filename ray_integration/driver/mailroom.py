@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from elastic_ring.core.log import get_logger
 
-from .channel import Channel
+from ..wire.channel import Channel
+from ..wire.protocol import DriverKind, Keys, WorkerKind
 from .events import EventLog
+from .pool import WorkerPool
 from .progress import ProgressDisplay
-from .protocol import Keys
-from .timeline_file import TimelineFile
-from .worker_pool import WorkerPool
-
-if TYPE_CHECKING:
-    from .driver import Driver
+from .timeline import TimelineFile
 
 _log = get_logger(__name__)
 #: After the driver's last state, late messages (a worker's final checkpoint event) are applied until the inbox is
@@ -34,18 +31,19 @@ class Mailroom:
         self.metrics: list[dict] = []
         self.resumed: dict | None = None
 
-    def __call__(self, d: Driver) -> None:
+    def __call__(self, round_id: int, world_size: int | None) -> None:
+        """Deliver the mail that arrived since the last call (the driver's current round and world size tag it)."""
         mail = self.pool.mail
         for info in mail.resumed:
             if self.resumed is None:
                 self.resumed = info
                 meta = info.get("meta") or {}
-                self.events.add("resumed_from_checkpoint", d.round_id, d.world_size, uri=info.get("uri"),
+                self.events.add("resumed_from_checkpoint", round_id, world_size, uri=info.get("uri"),
                                 seq=info.get("seq"), commits=meta.get("commits"), epoch=info.get("epoch"),
                                 step=info.get("step"))
         for event in mail.checkpoints:
             detail = {k: v for k, v in event.items() if k != "kind"}
-            self.events.add(str(event.get("kind", "checkpoint")), d.round_id, d.world_size, **detail)
+            self.events.add(str(event.get("kind", "checkpoint")), round_id, world_size, **detail)
         for record in mail.reports:
             self.metrics.append(record)
             if self.on_report is not None:
@@ -54,7 +52,7 @@ class Mailroom:
             for batch in mail.timeline:
                 self.timeline.add_worker_events(*batch)
         mail.resumed.clear(), mail.checkpoints.clear(), mail.reports.clear(), mail.timeline.clear()
-        self.progress.update(self.metrics, d.world_size)
+        self.progress.update(self.metrics, world_size)
 
 
 def take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, Any]]") -> None:
@@ -70,7 +68,7 @@ def take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, 
             return
         if kind == "msg":
             pool.apply(payload)
-            if payload.get("k") != "hb":
+            if WorkerKind.of(payload) is not WorkerKind.HEARTBEAT:
                 quiet = time.monotonic() + LAST_MESSAGES_QUIET_S
         elif kind == "error":
             _log.warning("after the job ended: %s", payload)
@@ -78,9 +76,9 @@ def take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, 
 
 def acknowledge(send: Channel, keys: Keys, msg: dict) -> None:
     """Tell a worker waiting at the rendezvous that the driver is alive (from the inbox thread)."""
-    waiting = msg.get("waiting") if msg.get("k") == "hb" else None
+    waiting = msg.get("waiting") if WorkerKind.of(msg) is WorkerKind.HEARTBEAT else None
     if isinstance(waiting, int) and waiting > 0:
-        send.send(keys.worker_inbox(msg["from"]), "pending", generation=waiting)
+        send.send(keys.worker_inbox(msg["from"]), DriverKind.PENDING, generation=waiting)
 
 
 class RoundKeys:

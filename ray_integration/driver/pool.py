@@ -20,20 +20,18 @@ import ray
 import elastic_ring as er
 from elastic_ring import shadowing
 
-from .channel import Channel
-from .config import TrainerConfig
+from ..config import TrainerConfig
+from ..errors import WorkerError, WorkerGaveUp
+from ..wire.channel import Channel
+from ..wire.protocol import DriverKind, Keys, WorkerKind
+from ..wire.settings import WorkerSettings
+from ..worker.actor import RingWorker  # the one import of the worker side: the pool creates its actors
 from .decisions import MemberView, Probe, StartFailureKind
-from .protocol import Keys
-from .worker import RingWorker, WorkerError, WorkerGaveUp
 
 _RemoteWorker = ray.remote(RingWorker)
 
 #: How long a silent worker's actor has to answer through Ray before the silence verdict stands.
 PROBE_S = 0.5
-
-START_HINT = ("if the module that defines fn (or something it imports) is missing on the workers, ship it with "
-              "ElasticTrainer(runtime_env={'working_dir': '.'}) or runtime_env={'py_modules': [...]}, or define fn "
-              "in the driver script")
 
 
 @dataclass
@@ -102,7 +100,7 @@ class Mail:
 
 class WorkerPool:
     def __init__(self, config: TrainerConfig, send: Channel, store_host: str, store_port: int, keys: Keys,
-                 secret: bytes, fn: Callable, fn_config: dict, settings: dict) -> None:
+                 secret: bytes, fn: Callable, fn_config: dict, settings: WorkerSettings) -> None:
         self.config, self.send, self.keys = config, send, keys
         self.store_host, self.store_port, self._secret = store_host, store_port, secret
         self.fn, self.fn_config, self.settings = fn, fn_config, settings
@@ -142,7 +140,7 @@ class WorkerPool:
         self.send.send(self.keys.worker_inbox(record.worker_id), answer.pop("k"), **answer)
 
     def answer(self, record: WorkerRecord, spec: er.RingSpec, stop: bool = False, handover: bool = False) -> None:
-        record.answer = {"k": "ring", "generation": record.generation, "spec": spec.to_wire(), "stop": stop,
+        record.answer = {"k": DriverKind.RING, "generation": record.generation, "spec": spec.to_wire(), "stop": stop,
                          "handover": handover}
         self._deliver(record, dict(record.answer))
         record.answered, record.answered_at, record.in_ring = record.generation, time.monotonic(), True
@@ -150,7 +148,7 @@ class WorkerPool:
     def stop(self, record: WorkerRecord, why: str) -> None:
         """Answer a waiting worker with stop: its run returns (it leaves the job)."""
         if record.waiting:
-            record.answer = {"k": "stop", "generation": record.generation, "why": why}
+            record.answer = {"k": DriverKind.STOP, "generation": record.generation, "why": why}
             self._deliver(record, dict(record.answer))
             record.answered, record.answered_at = record.generation, time.monotonic()
 
@@ -235,40 +233,53 @@ class WorkerPool:
     def apply(self, msg: dict) -> None:
         """Bring a record up to date with one of its worker's (authenticated) messages."""
         record = self.records.get(msg["from"])
-        if record is None or record.dead:
+        kind = WorkerKind.of(msg)
+        if record is None or record.dead or kind is None:
             return
-        kind, now = msg["k"], time.monotonic()
-        if kind == "hb":
-            if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
-                record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
-                record.unheard, record.probe_ref = 0, None
-            if msg.get("synced") is True:
-                record.has_state = True
-            waiting = msg.get("waiting")
-            if isinstance(waiting, int) and waiting > 0:
-                self._note_request(record, waiting, msg.get("reason"))
-                if waiting == record.answered and record.answer is not None and \
-                        now - record.answered_at > 2 * self.config.heartbeat_interval_s:
-                    self._deliver(record, dict(record.answer))  # the answer got lost: send it again
-                    record.answered_at = now
-        elif kind == "ring_request":
-            self._note_request(record, msg.get("generation"), msg.get("reason"))
-        elif kind == "synced":
+        _HANDLERS[kind](self, record, msg, time.monotonic())
+
+    def _heartbeat(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
+            record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
+            record.unheard, record.probe_ref = 0, None
+        if msg.get("synced") is True:
             record.has_state = True
-        elif kind == "report" and isinstance(msg.get("record"), dict):
+        waiting = msg.get("waiting")
+        if isinstance(waiting, int) and waiting > 0:
+            self._note_request(record, waiting, msg.get("reason"))
+            if waiting == record.answered and record.answer is not None and \
+                    now - record.answered_at > 2 * self.config.heartbeat_interval_s:
+                self._deliver(record, dict(record.answer))  # the answer got lost: send it again
+                record.answered_at = now
+
+    def _ring_request(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        self._note_request(record, msg.get("generation"), msg.get("reason"))
+
+    def _synced(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        record.has_state = True
+
+    def _report(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        if isinstance(msg.get("record"), dict):
             self.mail.reports.append({**msg["record"], "driver_time": time.time()})
-        elif kind == "timeline" and isinstance(msg.get("events"), list):
+
+    def _timeline(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        if isinstance(msg.get("events"), list):
             self.mail.timeline.append((record.worker_id, str(msg.get("host")), msg["events"], int(msg.get("dropped") or 0)))
-        elif kind == "resumed" and isinstance(msg.get("info"), dict):
+
+    def _resumed(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        if isinstance(msg.get("info"), dict):
             self.mail.resumed.append(msg["info"])
             if isinstance(msg["info"].get("uri"), str) and self.durable_checkpoint is None:
                 self.durable_checkpoint = msg["info"]["uri"]
-        elif kind == "checkpoint" and isinstance(msg.get("event"), dict):
+
+    def _checkpoint(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        if isinstance(msg.get("event"), dict):
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
             if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
                 self.durable_checkpoint, self.durable_at = msg["event"]["uri"], now
-        elif kind == "fault":
-            record.fault = f"{msg.get('what')}: {msg.get('error')}"
+
+    def _fault(self, record: WorkerRecord, msg: dict, now: float) -> None:
+        record.fault = f"{msg.get('what')}: {msg.get('error')}"
 
     def _note_request(self, record: WorkerRecord, generation: Any, reason: Any) -> None:
         if isinstance(generation, int) and generation > record.generation and \
@@ -330,6 +341,13 @@ class WorkerPool:
             if not record.dead:
                 record.dead, record.cause = True, f"process lost: {type(exc).__name__}"
                 self._note_start_failure(record, _start_failure(exc))  # it died starting (whichever ref came first)
+
+
+#: The pool's method for each kind of a worker's message (:meth:`WorkerPool.apply`).
+_HANDLERS = {WorkerKind.HEARTBEAT: WorkerPool._heartbeat, WorkerKind.RING_REQUEST: WorkerPool._ring_request,
+             WorkerKind.SYNCED: WorkerPool._synced, WorkerKind.REPORT: WorkerPool._report,
+             WorkerKind.TIMELINE: WorkerPool._timeline, WorkerKind.RESUMED: WorkerPool._resumed,
+             WorkerKind.CHECKPOINT: WorkerPool._checkpoint, WorkerKind.FAULT: WorkerPool._fault}
 
 
 def _start_failure(exc: BaseException) -> tuple[StartFailureKind, str] | None:

@@ -14,10 +14,8 @@ import os
 import pathlib
 from typing import Any
 
+from ..wire.protocol import CATEGORY_THREADS
 from .events import Event
-
-#: One trace thread per category, in this order.
-CATEGORY_THREADS = {"collective": 1, "fusion": 2, "state": 3, "membership": 4}
 
 
 class TimelineFile:

@@ -8,7 +8,7 @@ moments. The file is Chrome's trace *JSON Array Format* (a JSON array of events;
 https://ui.perfetto.dev or chrome://tracing): the format lets a trace end without its closing ``]``, which is how
 a killed run leaves it, and viewers load it so; ``stop_timeline()`` writes the ``]``, so a stopped trace is
 plain JSON (``json.load`` gives the list of events). One trace process (rank 0), one thread per event category,
-as ``ElasticTrainer(timeline_path=...)``'s file (:mod:`ray_integration.timeline_file`, which has every rank). The
+as ``ElasticTrainer(timeline_path=...)``'s file (:mod:`ray_integration.driver.timeline`, which has every rank). The
 other ranks record nothing. ``mark_cycles`` is accepted: elastic_ring has no background cycle to mark, so it adds
 no events.
 
@@ -29,7 +29,7 @@ from typing import Any
 import elastic_ring as er
 from elastic_ring.core import timeline as _timeline
 
-from ..timeline_file import CATEGORY_THREADS
+from ..wire.protocol import CATEGORY_THREADS
 from .topology import rank
 
 #: How often rank 0's writer thread appends the recorded events to the file (seconds).

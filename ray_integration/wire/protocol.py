@@ -5,7 +5,8 @@ through its *queues*, one per receiver, in sealed JSON messages
 (:mod:`.channel`); nothing is pickled and nothing unauthenticated is used.
 Every message carries its sender (``from``), the sender's message counter
 (``n``: a receiver drops a number it has already seen, so a captured message
-cannot be replayed) and its kind (``k``). All names are made here, so the two
+cannot be replayed) and its kind (``k``: a :class:`WorkerKind` or a
+:class:`DriverKind`, sent as its string). All names are made here, so the two
 sides cannot drift apart.
 
 Worker -> driver (queue ``{job}/driver``):
@@ -40,10 +41,52 @@ at it) go through Ray actor calls and are tagged with the round they are for
 
 from __future__ import annotations
 
+import enum
+
 DRIVER = "driver"
 
-WORKER_KINDS = ("hb", "ring_request", "synced", "report", "timeline", "resumed", "checkpoint", "fault")
-DRIVER_KINDS = ("ring", "stop", "pending")
+
+class _Kind(str, enum.Enum):
+    """A message kind: a ``str`` (it is sent as its value in the JSON message) that prints as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, msg: dict) -> "_Kind | None":
+        """The kind of a received message, or None if it names none of this class (ignored: a newer sender)."""
+        try:
+            return cls(msg.get("k"))
+        except ValueError:
+            return None
+
+
+class WorkerKind(_Kind):
+    """What a worker sends to the driver (queue ``{job}/driver``)."""
+
+    HEARTBEAT = "hb"
+    RING_REQUEST = "ring_request"
+    SYNCED = "synced"
+    REPORT = "report"
+    TIMELINE = "timeline"
+    RESUMED = "resumed"
+    CHECKPOINT = "checkpoint"
+    FAULT = "fault"
+
+
+class DriverKind(_Kind):
+    """What the driver sends to a worker (queue ``{job}/w/{worker_id}``), and ``WAKE`` to its own queue (it ends
+    the driver's blocking read at the end of a run)."""
+
+    RING = "ring"
+    STOP = "stop"
+    PENDING = "pending"
+    WAKE = "wake"
+
+
+#: The trace thread of each timeline event category, in this order: the driver's timeline file
+#: (``ElasticTrainer(timeline_path=...)``) and ``hvd.start_timeline``'s file lay their traces out alike.
+CATEGORY_THREADS = {"collective": 1, "fusion": 2, "state": 3, "membership": 4}
 
 
 class Keys:

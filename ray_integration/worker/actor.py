@@ -3,7 +3,7 @@
 It is threaded (``max_concurrency``) so that the driver can reach it while
 ``fn`` runs. A heartbeat thread sends the driver a counter (and the generation
 it waits for, while at the rendezvous) and the timeline events; the elastic
-loop's rendezvous (:mod:`.worker_rendezvous`) asks the driver for rings.
+loop's rendezvous (:mod:`.rendezvous`) asks the driver for rings.
 ``er.report`` records of rank 0, the resume info and checkpoint events go to
 the driver as sealed messages too. The job's secret arrives with the actor's
 constructor arguments, through Ray, and never through the store.
@@ -11,6 +11,7 @@ constructor arguments, through Ray, and never through the store.
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import socket
@@ -24,38 +25,54 @@ from elastic_ring.ring.store import connect
 
 from elastic_ring.core.log import get_logger
 
-from . import data as data_input
-from .channel import Channel, with_retries
+from .. import data as data_input
+from ..errors import WorkerError, WorkerGaveUp
+from ..wire.channel import Channel
+from ..wire.protocol import Keys, WorkerKind
+from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
-from .protocol import Keys
-from .worker_rendezvous import JobStopped, WorkerRendezvous
+from .rendezvous import WorkerRendezvous
 
 
 _log = get_logger(__name__)
 
 
-class WorkerGaveUp(RuntimeError):
-    """This worker lost its rendezvous with the driver or its store connection for good: the driver counts
-    it as a lost worker and replaces it (a store blip at one worker never ends the job)."""
+def _authentication_failure(exc: BaseException) -> bool:
+    """``exc`` is, or was raised from, a value that failed authentication (somewhere in its cause chain)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, er.AuthenticationError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
-class WorkerError(RuntimeError):
-    """``fn`` raised on a worker (or the worker could not run it): carries the rank, the node and the
-    remote traceback."""
+class Fate(enum.Enum):
+    """What a worker's run does with an exception that ended ``fn`` (see :func:`fate`)."""
 
-    def __init__(self, worker_id: str, rank: int | None, node_id: str, hostname: str, tb: str,
-                 what: str = "fn raised") -> None:
-        self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback = worker_id, rank, node_id, hostname, tb
-        self.what = what
-        super().__init__(f"{what} on rank {rank} (worker {worker_id}, node {node_id[:12]} {hostname}):\n{tb}")
+    LEAVE = "leave"      # it leaves the job quietly (a draining node, the job stops): run returns None
+    RAISE = "raise"      # already a WorkerError: raised as it is
+    GIVE_UP = "give_up"  # the rendezvous or the store is lost for this worker: the driver replaces it
+    ERROR = "error"      # fn's failure (or tampering): the run fails with a WorkerError naming it
 
-    def __reduce__(self):
-        return (WorkerError, (self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback, self.what))
+
+def fate(exc: BaseException) -> Fate:
+    """The worker's answer to ``exc``. A rendezvous failure is a lost worker (replaced), unless a value failed
+    authentication on the way: that is tampering with the job, which ends the run naming it, never a worker that
+    is silently replaced."""
+    if isinstance(exc, (er.RingStopped, state_pkg.TrainingStopped)):
+        return Fate.LEAVE
+    if isinstance(exc, WorkerError):
+        return Fate.RAISE
+    if isinstance(exc, er.RendezvousError) and not _authentication_failure(exc):
+        return Fate.GIVE_UP
+    return Fate.ERROR
 
 
 def _describe_failure(exc: BaseException) -> str:
     """What to call a failure of fn, with the fix when we know it."""
-    if isinstance(exc, er.AuthenticationError):
+    if _authentication_failure(exc):
         return ("a value read from the job's rendezvous store or a peer failed authentication (something that is not "
                 "part of the job writes to its store or sockets; see the README's Security section)")
     if isinstance(exc, er.RendezvousError):
@@ -98,7 +115,7 @@ class RingWorker:
         self._beats += 1
         waiting = self._rendezvous.waiting if self._rendezvous is not None else None
         synced = self._rendezvous is not None and self._rendezvous.holds_state
-        self._send.send(self._keys.driver_inbox, "hb", seq=self._beats, synced=synced,
+        self._send.send(self._keys.driver_inbox, WorkerKind.HEARTBEAT, seq=self._beats, synced=synced,
                         waiting=waiting[0] if waiting else 0, reason=waiting[1] if waiting else None)
 
     def _heartbeat(self) -> None:
@@ -111,7 +128,7 @@ class RingWorker:
                     _log.warning("worker %s: heartbeat failed (%s); trying again", self.worker_id, exc)
         except BaseException as exc:  # surfaced to the driver, which then names it when it declares us dead
             try:
-                self._send.send(self._keys.driver_inbox, "fault", what="heartbeat thread",
+                self._send.send(self._keys.driver_inbox, WorkerKind.FAULT, what="heartbeat thread",
                                 error=f"{type(exc).__name__}: {exc}")
             except (RuntimeError, OSError):
                 pass  # the store is unreachable: the driver sees silence, and its own error, soon
@@ -122,7 +139,7 @@ class RingWorker:
             return
         events, dropped = er.timeline.drain()
         if events or dropped:
-            self._send.send(self._keys.driver_inbox, "timeline", host=self.hostname, events=events, dropped=dropped)
+            self._send.send(self._keys.driver_inbox, WorkerKind.TIMELINE, host=self.hostname, events=events, dropped=dropped)
 
     # ------------------------------------------------------------ remote methods
     def ping(self) -> bool:
@@ -140,48 +157,48 @@ class RingWorker:
 
     def _report(self, record: dict) -> None:
         if record.get("rank") == 0:
-            self._send.send(self._keys.driver_inbox, "report", record=record)
+            self._send.send(self._keys.driver_inbox, WorkerKind.REPORT, record=record)
 
-    def _install(self, settings: dict) -> None:
+    def _install(self, settings: WorkerSettings) -> None:
         self._rendezvous = WorkerRendezvous(self._send, self._receive, self._keys, self.worker_id, self._secret,
-                                            settings["driver_silence_s"])
+                                            settings.driver_silence_s)
         er.elastic.set_rendezvous(self._rendezvous)
         er.set_reporter(self._report)
         state_pkg.membership.reset()
-        state_pkg.set_default_checkpointing(settings.get("checkpoint"))
-        state_pkg.set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, "resumed", info=info))
-        state_pkg.set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, "checkpoint",
+        state_pkg.set_default_checkpointing(settings.checkpoint)
+        state_pkg.set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, WorkerKind.RESUMED,
+                                                                   info=info))
+        state_pkg.set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
                                                                         event=event))
-        data_input.install(settings.get("datasets"))  # ElasticTrainer(datasets=...): get_dataset_shard(name) in fn
-        self._flush_timeout_s = settings["flush_timeout_s"]
-        if settings.get("tune_allocator"):
+        data_input.install(settings.datasets)  # ElasticTrainer(datasets=...): get_dataset_shard(name) in fn
+        self._flush_timeout_s = settings.flush_timeout_s
+        if settings.tune_allocator:
             er.allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
         er.progress.clear()
-        if settings.get("timeline"):
+        if settings.timeline:
             er.timeline.enable()
-        if settings.get("use_gpu"):
+        if settings.use_gpu:
             import torch
 
             device = worker_cuda_device()  # from Ray's GPU ids and CUDA_VISIBLE_DEVICES (NOSET-aware)
             torch.cuda.set_device(device)
             self._rendezvous.cuda_device = device  # every ring spec names it: the current device is per thread
 
-    def run(self, fn: Callable[[dict], Any], config: dict, settings: dict) -> Any:
+    def run(self, fn: Callable[[dict], Any], config: dict, settings: WorkerSettings) -> Any:
         """Run ``fn(config)`` as one worker of the job; returns what it returns."""
         self._install(settings)
         try:
             value = fn(config)
             self._flush_checkpoints()
-        except (er.RingStopped, state_pkg.TrainingStopped):
-            self._flush_checkpoints()  # it leaves (a draining node, the job stops): its last write lands first
-            return None
-        except WorkerError:
-            raise
-        except er.RendezvousError as exc:
-            if isinstance(exc, er.AuthenticationError):
-                raise self._error(exc) from None
-            raise WorkerGaveUp(f"worker {self.worker_id} on {self.hostname}: {exc}") from None
         except Exception as exc:
+            outcome = fate(exc)
+            if outcome is Fate.LEAVE:
+                self._flush_checkpoints()  # it leaves (a draining node, the job stops): its last write lands first
+                return None
+            if outcome is Fate.RAISE:
+                raise
+            if outcome is Fate.GIVE_UP:
+                raise WorkerGaveUp(f"worker {self.worker_id} on {self.hostname}: {exc}") from None
             raise self._error(exc) from None
         finally:
             er.shutdown()
@@ -209,7 +226,7 @@ class RingWorker:
         try:
             state_pkg.flush_checkpoints(self._flush_timeout_s)
         except state_pkg.CheckpointError as exc:
-            self._send.send(self._keys.driver_inbox, "checkpoint",
+            self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
                             event={"kind": "checkpoint_failed", "final": True, "error": str(exc)})
 
     def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False) -> None:
@@ -220,4 +237,4 @@ class RingWorker:
         self._stop.set()
 
 
-__all__ = ["JobStopped", "RingWorker", "WorkerError", "with_retries"]
+__all__ = ["Fate", "RingWorker", "fate"]

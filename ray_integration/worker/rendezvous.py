@@ -17,8 +17,8 @@ import time
 import elastic_ring as er
 from state import membership
 
-from .channel import Channel
-from .protocol import Keys
+from ..wire.channel import Channel
+from ..wire.protocol import DRIVER, DriverKind, Keys, WorkerKind
 
 
 class JobStopped(er.RingStopped):
@@ -41,7 +41,7 @@ class WorkerRendezvous:
         generation = self.generation
         self.waiting = (generation, reason)
         try:
-            self._send.send(self._keys.driver_inbox, "ring_request", generation=generation, reason=reason)
+            self._send.send(self._keys.driver_inbox, WorkerKind.RING_REQUEST, generation=generation, reason=reason)
             return self._await_answer(generation, reason)
         finally:
             self.waiting = None
@@ -60,14 +60,15 @@ class WorkerRendezvous:
                 raise er.RendezvousError(
                     f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
                     f"while waiting for ring {generation} ({reason}); the driver is stuck or its messages are lost")
-            if msg.get("generation") != generation or msg.get("from") != "driver":
+            if msg.get("generation") != generation or msg.get("from") != DRIVER:
                 continue  # an answer to an earlier request
-            if msg["k"] == "pending":
+            kind = DriverKind.of(msg)
+            if kind is DriverKind.PENDING:
                 deadline = time.monotonic() + self._silence_s
                 continue
-            if msg["k"] == "stop":
+            if kind is DriverKind.STOP:
                 raise JobStopped(f"worker {self._id}: {msg.get('why', 'the driver ended the job')}")
-            if msg["k"] != "ring":
+            if kind is not DriverKind.RING:
                 continue
             try:
                 spec = er.RingSpec.from_wire({**msg["spec"], "cuda_device": self.cuda_device}, self._secret)
@@ -89,7 +90,7 @@ class WorkerRendezvous:
         round_id = er.round_id()
         if round_id not in self._synced_rounds:
             self._synced_rounds.add(round_id)
-            self._send.send(self._keys.driver_inbox, "synced", round=round_id)
+            self._send.send(self._keys.driver_inbox, WorkerKind.SYNCED, round=round_id)
 
     def reform_after_sync(self) -> bool:
         """This round only hands the state over (its leaving members hold it): re-form right after the sync."""
