@@ -1,4 +1,7 @@
-"""ElasticTrainer's options: one self-validating config whose errors name the field, the value and the fix."""
+"""ElasticTrainer's options: one self-validating config whose errors name the field, the value and the fix; and the
+deadlines that follow from them (:class:`Limits`, what the driver's decisions read).
+
+Imports nothing of ray_integration: every sub-package may read it (as :mod:`.errors`)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,6 @@ from elastic_ring.core.validation import check_bool, check_int, check_number, is
 
 from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
 
-from .decisions import Limits
-from .devices import check_gpus_per_worker
-
 _OWNER = "ElasticTrainer"
 #: The persistence cadence used when only checkpoint_uri is given (plus a checkpoint at every stop and drain).
 DEFAULT_CHECKPOINT_EVERY_S = 300.0
@@ -23,6 +23,64 @@ DEFAULT_CHECKPOINT_EVERY_S = 300.0
 DRIVER_SILENCE_MIN_S = 60.0
 #: lease_ttl_s bounds: renewals (every ttl / 5) must be able to retry a blip; a successor waits at most the upper.
 LEASE_TTL_RANGE_S = (1.0, 120.0)
+
+
+#: A member that neither heartbeats nor reaches the rendezvous for this many heartbeat intervals,
+#: while its peers report a failure, is presumed dead (a lost node can take Ray many seconds to declare).
+SUSPECT_AFTER_INTERVALS = 3
+#: Slack added to the longest legitimate wait (a collective timing out, then a ring failing to form)
+#: before a member that heartbeats but stays away from the rendezvous is declared stuck.
+STUCK_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every deadline the driver keeps, derived from the options (see ``TrainerConfig.limits``)."""
+
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    collective_timeout_s: float
+    connect_timeout_s: float
+    capacity_wait_s: float      # elastic_timeout_s: below min_workers, wait this long for capacity
+    stop_timeout_s: float       # after a stop request, the workers have this long to reach a commit
+    min_workers: int
+    max_workers: int
+    max_failures: int
+    failure_window_s: float = 3600.0  # failures older than this (driver clock) no longer count
+
+    @property
+    def suspect_after_s(self) -> float:
+        return SUSPECT_AFTER_INTERVALS * self.heartbeat_interval_s
+
+    @property
+    def stuck_after_s(self) -> float:
+        """A member can legitimately stay away from the rendezvous this long after its peers failed: its own
+        collective times out (collective_timeout_s), then a ring it tried to form does (connect_timeout_s)."""
+        return self.collective_timeout_s + self.connect_timeout_s + STUCK_GRACE_S
+
+
+def check_gpus_per_worker(use_gpu: bool, gpus_per_worker: float | None) -> None:
+    """Raise ValueError (naming the field, the value and the fix) for a GPU placement the NCCL ring cannot use:
+    a fractional GPU per worker (two ranks of one ring on one GPU: NCCL refuses the communicator, "Duplicate GPU
+    detected" / "Multiple Ranks are using the same GPU") and more than one GPU per worker (one rank drives one
+    GPU: the ring moves tensors of one device per rank; the other GPUs would sit idle)."""
+    if not use_gpu or gpus_per_worker is None:
+        return
+    value = gpus_per_worker
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"ElasticTrainer gpus_per_worker={value!r} must be 1 (one GPU per worker) or None")
+    if value < 1 or value != int(value):
+        raise ValueError(
+            f"ElasticTrainer gpus_per_worker={value!r} is a fraction of a GPU: several workers would share a GPU, "
+            "and NCCL refuses two ranks of one ring on one GPU ('Duplicate GPU detected'); use gpus_per_worker=1 "
+            "(one worker per GPU), or use_gpu=False to train on CPU with gloo"
+        )
+    if value > 1:
+        raise ValueError(
+            f"ElasticTrainer gpus_per_worker={value!r}: each worker is one rank of the NCCL ring and drives one GPU, "
+            f"so {int(value) - 1} of its GPUs would sit idle; use gpus_per_worker=1 and {int(value)}x as many "
+            "workers (max_workers)"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The driver's decisions, as pure functions of typed observations (tested with tables, without Ray).
 
-The driver's states (:mod:`.driver`) observe the pool, build these records,
-ask the functions below, and do what they say. Nothing here touches Ray, the
-store or a clock: times arrive as ages measured by the driver's own monotonic
-clock (never a worker's).
+The driver's states (:mod:`.states`) read these records in their context
+(:mod:`.context`), ask the functions below, and return what to do. Nothing
+here touches Ray, the store or a clock: times arrive as ages measured by the
+driver's own monotonic clock (never a worker's). The deadlines come as
+:class:`~ray_integration.config.Limits`.
 """
 
 from __future__ import annotations
@@ -11,38 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-#: A member that neither heartbeats nor reaches the rendezvous for this many heartbeat intervals,
-#: while its peers report a failure, is presumed dead (a lost node can take Ray many seconds to declare).
-SUSPECT_AFTER_INTERVALS = 3
-#: Slack added to the longest legitimate wait (a collective timing out, then a ring failing to form)
-#: before a member that heartbeats but stays away from the rendezvous is declared stuck.
-STUCK_GRACE_S = 2.0
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Every deadline the driver keeps, derived from the options (see ``TrainerConfig.limits``)."""
-
-    heartbeat_interval_s: float
-    heartbeat_timeout_s: float
-    collective_timeout_s: float
-    connect_timeout_s: float
-    capacity_wait_s: float      # elastic_timeout_s: below min_workers, wait this long for capacity
-    stop_timeout_s: float       # after a stop request, the workers have this long to reach a commit
-    min_workers: int
-    max_workers: int
-    max_failures: int
-    failure_window_s: float = 3600.0  # failures older than this (driver clock) no longer count
-
-    @property
-    def suspect_after_s(self) -> float:
-        return SUSPECT_AFTER_INTERVALS * self.heartbeat_interval_s
-
-    @property
-    def stuck_after_s(self) -> float:
-        """A member can legitimately stay away from the rendezvous this long after its peers failed: its own
-        collective times out (collective_timeout_s), then a ring it tried to form does (connect_timeout_s)."""
-        return self.collective_timeout_s + self.connect_timeout_s + STUCK_GRACE_S
+from ..config import STUCK_GRACE_S, Limits  # noqa: F401  (Limits: the deadlines every decision reads)
 
 
 @dataclass(frozen=True)

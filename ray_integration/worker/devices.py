@@ -1,7 +1,8 @@
-"""Which CUDA device a GPU worker drives, and which GPU placements the NCCL backend accepts.
+"""Which CUDA device a GPU worker drives.
 
-Two pure functions (tested with tables in ``tests/test_devices.py``) and one thin
-reader of the worker's environment:
+A pure function (tested with a table in ``tests/test_devices.py``) and one thin
+reader of the worker's environment (the GPU placements the NCCL ring accepts are
+checked with the options: :func:`ray_integration.config.check_gpus_per_worker`):
 
 * :func:`choose_cuda_device` maps Ray's GPU ids for this actor to the torch
   device index this process must use. Ray normally sets
@@ -10,11 +11,6 @@ reader of the worker's environment:
   process sees every GPU of the node: the index is then the position of the
   actor's GPU among the visible ones (``torch.cuda.set_device(0)`` would put
   every actor of the node on the first GPU).
-* :func:`check_gpus_per_worker` refuses placements the NCCL ring cannot use:
-  a fractional GPU per worker (two ranks of one ring on one GPU: NCCL refuses
-  the communicator, "Duplicate GPU detected" / "Multiple Ranks are using the
-  same GPU") and more than one GPU per worker (one rank drives one GPU: the
-  ring moves tensors of one device per rank; the other GPUs would sit idle).
 * :func:`worker_cuda_device` reads Ray's ids and the environment inside a
   worker actor and applies :func:`choose_cuda_device`.
 """
@@ -70,27 +66,6 @@ def choose_cuda_device(ray_gpu_ids: Sequence[int | str], cuda_visible_devices: s
         raise ValueError(f"Ray gave this worker GPU ids {ids} but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} does "
                          f"not list them ({who}); do not override CUDA_VISIBLE_DEVICES inside the worker")
     return min(positions)
-
-
-def check_gpus_per_worker(use_gpu: bool, gpus_per_worker: float | None) -> None:
-    """Raise ValueError (naming the field, the value and the fix) for a GPU placement NCCL cannot use."""
-    if not use_gpu or gpus_per_worker is None:
-        return
-    value = gpus_per_worker
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"ElasticTrainer gpus_per_worker={value!r} must be 1 (one GPU per worker) or None")
-    if value < 1 or value != int(value):
-        raise ValueError(
-            f"ElasticTrainer gpus_per_worker={value!r} is a fraction of a GPU: several workers would share a GPU, "
-            "and NCCL refuses two ranks of one ring on one GPU ('Duplicate GPU detected'); use gpus_per_worker=1 "
-            "(one worker per GPU), or use_gpu=False to train on CPU with gloo"
-        )
-    if value > 1:
-        raise ValueError(
-            f"ElasticTrainer gpus_per_worker={value!r}: each worker is one rank of the NCCL ring and drives one GPU, "
-            f"so {int(value) - 1} of its GPUs would sit idle; use gpus_per_worker=1 and {int(value)}x as many "
-            "workers (max_workers)"
-        )
 
 
 def worker_cuda_device() -> int:
