@@ -1,12 +1,13 @@
-"""The membership driver: an explicit state machine over the worker pool.
+"""The membership driver: the loop that steps the states (:mod:`.states`) and the one place that acts.
 
-The states live in :mod:`.driver_states`; this module holds what they observe
-and do (:class:`Driver`) and the loop. The loop wakes on every worker message
-and every Ray completion (no polling of the store), and at least every
-:data:`TICK_S` for its timers. Every time is the driver's own monotonic clock;
-when the loop itself did not run for a while (a GC pause, a stopped or starved
-process), every worker gets a fresh grace (:func:`decisions.driver_stalled`):
-their silence was the driver's.
+Each tick the loop shows the current state a :class:`~.context.Context` of what
+it knows, and does each action the state asks for (:meth:`Driver.act`), showing
+it a fresh Context after each; the state then names the next state. The loop
+wakes on every worker message and every Ray completion (no polling of the
+store), and at least every :data:`TICK_S` for its timers. Every time is the
+driver's own monotonic clock; when the loop itself did not run for a while (a GC
+pause, a stopped or starved process), every worker gets a fresh grace
+(:func:`decisions.driver_stalled`): their silence was the driver's.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import ray
 
 import elastic_ring as er
 
+from ..config import TrainerConfig
 from . import decisions
-from .config import TrainerConfig
-from .decisions import Kill, Verdict
-from .driver_states import (  # noqa: F401  (re-exported: the trainer and tests use them from here)
-    DriverState, Failed, Finished, Reforming, RunFailed, Running, Starting, Stopped,
+from .context import (
+    AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRing, Form, KillSilent, Notify,
+    PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
 )
+from .decisions import Kill, Verdict
 from .events import EventLog
-from .ray_watcher import RayWatcher
-from .ring_formation import Member, Ring, form_ring, parent_ranks
-from .worker_pool import WorkerPool, WorkerRecord
+from .formation import Member, Ring, form_ring, parent_ranks
+from .pool import WorkerPool, WorkerRecord
+from .states import DriverState, Starting
+from .watcher import RayWatcher
 
 #: The driver's timers (silence, deadlines, drains) are looked at least this often.
 TICK_S = 0.1
@@ -47,14 +50,16 @@ class Driver:
         self.failure_times: list[float] = []  # driver clock; only those within failure_window_s count
         self.lost_reported: set[str] = set()
         self.draining: dict[str, int] = {}  # node id hex -> deadline ms, as of the last poll
+        self.newly_draining: tuple[str, ...] = ()  # the workers the last poll of this tick marked leaving
         self.last_drain_poll = 0.0
         self.stop_reason: str | None = None   # set (e.g. by a SIGTERM handler): stop at the next commit
         self.stop_requested_at: float | None = None
         self.abort_reason: str | None = None  # set by a second SIGTERM or the like: abandon the stop now
         self.tampering: str | None = None     # set when a live worker's messages keep going missing
         self.deferred_at: float | None = None  # since when silence verdicts wait for the inbox's backlog
-        self.last_grace = float("-inf")
-        self.drain_persist_at: float | None = None  # when a drain notice last asked for a durable commit        # when every worker last got a fresh grace (a driver stall)
+        self.last_grace = float("-inf")       # when every worker last got a fresh grace (a driver stall)
+        self.drain_persist_at: float | None = None  # when a drain notice last asked for a durable commit
+        self.start_diagnosis: str | None = None
 
     # ------------------------------------------------------------ inputs (safe from a signal handler or any thread)
     def request_stop(self, reason: str) -> None:
@@ -66,14 +71,7 @@ class Driver:
         """Abandon everything now (the workers are killed)."""
         self.abort_reason = reason
 
-    def stop_age_s(self) -> float | None:
-        return None if self.stop_requested_at is None else time.monotonic() - self.stop_requested_at
-
-    def stop_overdue(self) -> DriverState:
-        return Stopped(self.stop_reason or "stop", forced=True,
-                       note=f"the workers did not reach a commit within stop_timeout_s={self.config.stop_timeout_s}")
-
-    # ------------------------------------------------------------ observations
+    # ------------------------------------------------------------ what the states see
     @property
     def world_size(self) -> int | None:
         return self.ring.world_size if self.ring else None
@@ -90,24 +88,83 @@ class Driver:
                  and r.node_id not in self.draining]
         return sorted(ready, key=lambda r: r.joined_seq)
 
-    def view(self, record: WorkerRecord) -> decisions.MemberView:
-        return record.view(time.monotonic())
+    def context(self) -> Context:
+        now = time.monotonic()
+        records = self.pool.records.values()
+        members = self.members()
+        user_error = next((r for r in records if r.user_error is not None), None)
+        return Context(
+            now=now, limits=self.limits, start_timeout_s=self.config.start_timeout_s, round_id=self.round_id,
+            world_size=self.world_size, members=tuple(r.view(now) for r in members),
+            joiners=tuple(r.worker_id for r in self.joiners()),
+            results={r.worker_id: r.value for r in members if r.finished},
+            unreported_losses=tuple(r.worker_id for r in members if r.dead and r.worker_id not in self.lost_reported),
+            newly_draining=self.newly_draining, failure_ages_s=tuple(now - t for t in self.failure_times),
+            stop_reason=self.stop_reason,
+            stop_age_s=None if self.stop_requested_at is None else now - self.stop_requested_at,
+            abort_reason=self.abort_reason, tampering=self.tampering,
+            user_error=None if user_error is None else UserError(user_error.worker_id, user_error.node_id,
+                                                                 user_error.user_error),
+            start_failures=tuple(StartFailure(r.worker_id, r.start_kind, r.start_error)
+                                 for r in self.pool.start_failures),
+            returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
+            ever_had_state=any(r.has_state for r in records), checkpoint=self.pool.durable_checkpoint,
+            drain_saved=self.drain_persist_at is not None and self.pool.durable_at > self.drain_persist_at,
+            start_diagnosis=self.start_diagnosis)
 
-    def ever_had_state(self) -> bool:
-        return any(r.has_state for r in self.pool.records.values())
+    # ------------------------------------------------------------ the one place that acts
+    def act(self, action: Action) -> None:
+        """Do what a state asked for."""
+        records = self.pool.records
+        match action:
+            case AddEvent(kind, detail):
+                self.events.add(kind, self.round_id, self.world_size, **detail)
+            case PollDrains():
+                self.poll_drains()
+            case KillSilent(members, failure_age_s):
+                self.kill_silent(self.members() if members else [], failure_age_s)
+            case RequestCapacity():
+                counted = [r for r in self.pool.live() if not r.leaving and r.node_id not in self.draining]
+                self.pool.request(decisions.workers_to_request(len(counted), self.config.max_workers))
+            case Form(staying, joiners, reason, stop, handover, extra):
+                self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra)
+            case Notify():
+                self.pool.notify(self.members(), self.round_id, change=True)
+            case RequestPersist(why, deadline_s, change, stop):
+                self.pool.notify(self.members(), self.round_id, change=change, persist=True, stop=stop)
+                if why == "drain":
+                    self.drain_persist_at = time.monotonic()
+                self.events.add("persist_requested", self.round_id, self.world_size, why=why, deadline_s=deadline_s)
+            case AbortRound(why):
+                self.pool.abort_round(self.members(), self.round_id, why)
+            case StopWorkers(workers, why):
+                for worker_id in workers:
+                    self.pool.stop(records[worker_id], why)
+            case StopWaiting(why):
+                self.pool.stop_waiting(why)
+            case ReportLost(workers):
+                for r in (records[w] for w in workers):
+                    self.lost_reported.add(r.worker_id)
+                    self.events.add("worker_lost", self.round_id, self.world_size, worker=r.worker_id,
+                                    node=r.node_id, cause=r.cause)
+            case CountFailure():
+                now = time.monotonic()
+                self.failure_times = [t for t in self.failure_times if now - t <= self.limits.failure_window_s]
+                self.failure_times.append(now)
+            case DropRing():
+                self.ring = None
+            case DiagnoseStart(ready):
+                self.start_diagnosis = self.diagnose_start(ready)
+            case _:
+                raise TypeError(f"the driver's loop has no action {action!r}")
 
-    def drain_deadline_s(self, records: list[WorkerRecord]) -> float | None:
-        """Seconds left before the earliest drain deadline of ``records`` (None: none known)."""
-        left = [r.leave_in_s(time.monotonic()) for r in records]
-        left = [x for x in left if x is not None]
-        return round(min(left), 1) if left else None
-
-    def poll_drains(self) -> list[WorkerRecord]:
+    def poll_drains(self) -> None:
         """Ask Ray which nodes drain (at most every DRAIN_POLL_S); mark the live workers there as leaving
-        and return those newly marked. A drain deadline is Ray's wall-clock time: it is turned into time
-        left once, here, and kept on the driver's monotonic clock from then on."""
+        (``newly_draining``). A drain deadline is Ray's wall-clock time: it is turned into time left once, here,
+        and kept on the driver's monotonic clock from then on."""
+        self.newly_draining = ()
         if time.monotonic() - self.last_drain_poll < DRAIN_POLL_S:
-            return []
+            return
         self.last_drain_poll = time.monotonic()
         self.draining = self.pool.draining_nodes()
         newly = [r for r in self.pool.live() if r.node_id in self.draining and not r.leaving]
@@ -115,38 +172,35 @@ class Driver:
             deadline_ms = self.draining[r.node_id]
             r.leaving = True
             r.leave_by = time.monotonic() + (deadline_ms / 1000 - time.time()) if deadline_ms else None
+        self.newly_draining = tuple(r.worker_id for r in newly)
         members = set(self.ring.worker_ids) if self.ring else set()
         for node in sorted({r.node_id for r in newly}):
             on_node = [r for r in newly if r.node_id == node]
+            left = [x for x in (r.leave_in_s(time.monotonic()) for r in on_node) if x is not None]
             self.events.add("node_draining", self.round_id, self.world_size, node=node,
-                            deadline_ms=self.draining[node], deadline_s=self.drain_deadline_s(on_node),
+                            deadline_ms=self.draining[node], deadline_s=round(min(left), 1) if left else None,
                             workers=[r.worker_id for r in on_node if r.worker_id in members],
                             joiners=[r.worker_id for r in on_node if r.worker_id not in members])
-        return newly
-
-    def counted_live(self) -> list[WorkerRecord]:
-        """Live workers that count towards max_workers: those on draining nodes are already replaced."""
-        return [r for r in self.pool.live() if not r.leaving and r.node_id not in self.draining]
 
     def kill_silent(self, members: list[WorkerRecord], failure_age_s: float | None) -> None:
-        """Kill members the decisions condemn, and joiners silent past the heartbeat timeout. A verdict from
-        silence alone is confirmed first: not while the driver's inbox still holds unread messages, and only
-        if the worker's actor does not answer through Ray either (a live one whose messages are lost is
-        given a fresh grace and counted: twice in a row names tampering)."""
+        """Kill members the decisions condemn, and other workers silent past the heartbeat timeout (the same rule,
+        :func:`decisions.kill_cause` of a worker outside any re-form). A verdict from silence alone is confirmed
+        first: not while the driver's inbox still holds unread messages, and only if the worker's actor does not
+        answer through Ray either (a live one whose messages are lost is given a fresh grace and counted: twice in
+        a row names tampering)."""
         now = time.monotonic()
         member_ids = {r.worker_id for r in members}
+        ring_ids = set(self.ring.worker_ids) if self.ring else set()
         verdicts: list[tuple[WorkerRecord, Kill]] = []
         for r in members:
             kill = decisions.kill_cause(r.view(now), self.limits, failure_age_s)
             if kill:
                 verdicts.append((r, kill))
-        ring_ids = set(self.ring.worker_ids) if self.ring else set()
         for r in self.pool.live():  # joiners and starting workers: only the heartbeat rule
-            if r.worker_id not in member_ids and r.worker_id not in ring_ids:
-                silent = r.silent_s(now)
-                if r.info is not None and silent is not None and silent > self.limits.heartbeat_timeout_s:
-                    verdicts.append((r, Kill(f"no heartbeat for {silent:.1f} s (heartbeat_timeout_s="
-                                             f"{self.limits.heartbeat_timeout_s})")))
+            if r.worker_id not in member_ids and r.worker_id not in ring_ids and r.info is not None:
+                kill = decisions.kill_cause(r.view(now), self.limits, None)
+                if kill:
+                    verdicts.append((r, kill))
         if any(kill.confirm for _, kill in verdicts):
             deferred = None if self.deferred_at is None else now - self.deferred_at
             if decisions.defer_for_backlog(self.pool.inbox_backlog(), deferred, self.limits):
@@ -171,44 +225,6 @@ class Driver:
                     self.tampering = self.tampering or message
             if verdict is Verdict.KILL:
                 self.pool.kill(r, kill.cause)
-
-    def count_failure(self) -> str | None:
-        """Count one failure; the message that ends the run if too many fell within failure_window_s."""
-        now = time.monotonic()
-        self.failure_times = [t for t in self.failure_times if now - t <= self.limits.failure_window_s]
-        self.failure_times.append(now)
-        return decisions.give_up_after_failure([now - t for t in self.failure_times], self.limits)
-
-    def report_lost(self) -> bool:
-        """Record an event for each member newly found dead; True if there was any."""
-        lost = [r for r in self.members() if r.dead and r.worker_id not in self.lost_reported]
-        for r in lost:
-            self.lost_reported.add(r.worker_id)
-            self.events.add("worker_lost", self.round_id, self.world_size, worker=r.worker_id, node=r.node_id, cause=r.cause)
-        return bool(lost)
-
-    def start_diagnosis(self, ready: int) -> str:
-        """Why fewer than min_workers started: missing resources (which), or workers that did not get ready."""
-        pending = [r for r in self.pool.live() if r.info is None]
-        head = (f"only {ready} of min_workers={self.config.min_workers} workers started within start_timeout_s="
-                f"{self.config.start_timeout_s}")
-        need = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
-        total, free = ray.cluster_resources(), ray.available_resources()
-        short = [f"{k} (each worker needs {v:g}; the cluster has {total.get(k, 0):g}, {free.get(k, 0):g} free)"
-                 for k, v in need.items() if v and free.get(k, 0) < v]
-        if pending and short:
-            return (f"{head}: {len(pending)} worker actor(s) are still waiting for resources the cluster lacks: "
-                    f"{', '.join(short)}. Add nodes with these resources, lower min_workers, or ask for less per "
-                    "worker (cpus_per_worker, gpus_per_worker, resources_per_worker)")
-        if pending:
-            return (f"{head}: {len(pending)} worker actor(s) were placed but did not finish starting (slow imports, "
-                    "or a runtime_env that takes long to set up); raise start_timeout_s")
-        return (f"{head}: the workers started but did not reach the rendezvous (fn never asked for its ring); "
-                "look at the workers' logs, or raise start_timeout_s")
-
-    # ------------------------------------------------------------ actions
-    def request_capacity(self) -> None:
-        self.pool.request(decisions.workers_to_request(len(self.counted_live()), self.config.max_workers))
 
     def form(self, members: list[WorkerRecord], joiners: list[WorkerRecord], reason: str, stop: bool = False,
              handover: bool = False, extra: int = 0) -> None:
@@ -240,21 +256,37 @@ class Driver:
         self.events.add("ring_formed", self.round_id, self.ring.world_size, reason=reason, stop=stop, handover=handover,
                         ranks=list(self.ring.worker_ids), nodes=[n[:12] for n in self.ring.node_ids])
 
-    def finish(self, members: list[WorkerRecord]) -> DriverState:
-        """fn returned on some members; the value is the lowest finished rank's (rank 0's unless it was lost)."""
-        done = [r for r in members if r.finished and not r.dead]
-        for r in members:
-            if r.waiting:
-                self.pool.stop(r, "the job finished")
-        lost = [r.worker_id for r in members if r.dead]
-        if lost:
-            self.events.add("finished_with_losses", self.round_id, self.world_size, lost=lost,
-                            value_from=done[0].worker_id)
-        if self.stop_reason is not None and all(r.value is None for r in done):
-            return Stopped(self.stop_reason)
-        return Finished(done[0].value)
+    def diagnose_start(self, ready: int) -> str:
+        """Why fewer than min_workers started: missing resources (which), or workers that did not get ready."""
+        pending = [r for r in self.pool.live() if r.info is None]
+        head = (f"only {ready} of min_workers={self.config.min_workers} workers started within start_timeout_s="
+                f"{self.config.start_timeout_s}")
+        need = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
+        total, free = ray.cluster_resources(), ray.available_resources()
+        short = [f"{k} (each worker needs {v:g}; the cluster has {total.get(k, 0):g}, {free.get(k, 0):g} free)"
+                 for k, v in need.items() if v and free.get(k, 0) < v]
+        if pending and short:
+            return (f"{head}: {len(pending)} worker actor(s) are still waiting for resources the cluster lacks: "
+                    f"{', '.join(short)}. Add nodes with these resources, lower min_workers, or ask for less per "
+                    "worker (cpus_per_worker, gpus_per_worker, resources_per_worker)")
+        if pending:
+            return (f"{head}: {len(pending)} worker actor(s) were placed but did not finish starting (slow imports, "
+                    "or a runtime_env that takes long to set up); raise start_timeout_s")
+        return (f"{head}: the workers started but did not reach the rendezvous (fn never asked for its ring); "
+                "look at the workers' logs, or raise start_timeout_s")
 
     # ------------------------------------------------------------ the loop
+    def advance(self, state: DriverState) -> DriverState:
+        """One step of ``state``: do each action it yields, showing it the Context as that action left it."""
+        steps = state.step(self.context())
+        try:
+            action = next(steps)
+            while True:
+                self.act(action)
+                action = steps.send(self.context())
+        except StopIteration as done:
+            return done.value
+
     def run(self, on_tick: Callable[["Driver"], None] | None = None) -> DriverState:
         state: DriverState = Starting()
         watcher = RayWatcher(self.pool, self.wakeups)
@@ -270,7 +302,8 @@ class Driver:
                     self.events.add("driver_stalled", self.round_id, self.world_size, seconds=round(now - last, 2),
                                     note="every worker was given a fresh heartbeat grace")
                 last = now
-                state = state.step(self)
+                self.newly_draining = ()
+                state = self.advance(state)
                 if on_tick is not None:
                     on_tick(self)
             return state

@@ -1,42 +1,47 @@
 """The driver's states: one small class each, :class:`Starting`, :class:`Running`, :class:`Reforming`,
 and the terminal :class:`Finished`, :class:`Failed`, :class:`Stopped`.
 
-Each ``step`` builds typed observations of the pool, asks the pure decisions
-(:mod:`.decisions`) what to do, tells the driver (:mod:`.driver`) to do it, and
-returns the next state. A stop (SIGTERM, ``trainer.stop()``, or a second one
-that abandons it) is one more input, handled in every state together with
-losses, drains and joins.
+A state decides; it never acts. Its ``step`` reads a :class:`~.context.Context`,
+asks the pure decisions (:mod:`.decisions`), and yields the actions of
+:mod:`.context` one at a time; the loop (:mod:`.loop`) does each and sends back
+a fresh Context (``ctx = yield action``). The step's return value is the next
+state. A stop (SIGTERM, ``trainer.stop()``, or a second one that abandons it) is
+one more input, handled in every state together with losses, drains and joins.
+This module imports neither the loop nor the pool.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generator
 
 from elastic_ring import shadowing
 
+from ..errors import RunFailed
 from . import decisions
-from .decisions import Outcome, StartFailureKind, Step
-from .worker_pool import START_HINT
-
-if TYPE_CHECKING:
-    from .driver import Driver
+from .context import (
+    AbortRound, Action, Context, CountFailure, DiagnoseStart, DropRing, Form, KillSilent, Notify, PollDrains,
+    ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
+)
+from .decisions import MemberView, Outcome, StartFailureKind, Step
 
 #: Without max_workers ready, start once no new worker became ready for this long.
 START_GRACE_S = 2.0
 #: Joiners waiting this long without the ring reaching a commit get a warning event: fn must commit.
 COMMIT_OVERDUE_S = 30.0
 
+START_HINT = ("if the module that defines fn (or something it imports) is missing on the workers, ship it with "
+              "ElasticTrainer(runtime_env={'working_dir': '.'}) or runtime_env={'py_modules': [...]}, or define fn "
+              "in the driver script")
 
-class RunFailed(RuntimeError):
-    """The job ended without a result; the message says why and what to change."""
+#: A state's step: yields actions, receives the Context after each, returns the next state.
+Steps = Generator[Action, Context, "DriverState"]
 
 
 class DriverState:
     terminal = False
 
-    def step(self, d: "Driver") -> "DriverState":
+    def step(self, ctx: Context) -> Steps:
         raise NotImplementedError
 
 
@@ -62,27 +67,26 @@ class Stopped(DriverState):
     terminal = True
 
 
-def _fatal(d: "Driver") -> DriverState | None:
+def _fatal(ctx: Context) -> Generator[Action, Context, DriverState | None]:
     """A user error, a worker that cannot start, tampering, or an abandoned stop ends the run in every state."""
-    if d.abort_reason is not None:
-        return Stopped(d.abort_reason, forced=True)
-    if d.tampering is not None:
-        d.events.add("failed", d.round_id, d.world_size, reason="messages lost or forged")
-        return Failed(RunFailed(d.tampering))
-    for record in d.pool.records.values():
-        if record.user_error is not None:
-            d.events.add("failed", d.round_id, d.world_size, reason="user error", worker=record.worker_id,
-                         rank=record.user_error.rank, node=record.node_id)
-            return Failed(record.user_error)
-    failures = d.pool.start_failures
-    decisive = decisions.start_failure_verdict([r.start_kind for r in failures])
+    if ctx.abort_reason is not None:
+        return Stopped(ctx.abort_reason, forced=True)
+    if ctx.tampering is not None:
+        yield event("failed", reason="messages lost or forged")
+        return Failed(RunFailed(ctx.tampering))
+    if ctx.user_error is not None:
+        failed = ctx.user_error
+        yield event("failed", reason="user error", worker=failed.worker_id, rank=failed.error.rank,
+                    node=failed.node_id)
+        return Failed(failed.error)
+    decisive = decisions.start_failure_verdict([f.kind for f in ctx.start_failures])
     if decisive is not None:
-        record = failures[decisive]
-        d.events.add("failed", d.round_id, d.world_size, reason="worker could not start", worker=record.worker_id)
-        hint = f"\nHint: {START_HINT}" if record.start_kind is StartFailureKind.LOAD and \
-            not _names_its_fix(record.start_error) else ""
+        failure = ctx.start_failures[decisive]
+        yield event("failed", reason="worker could not start", worker=failure.worker_id)
+        hint = f"\nHint: {START_HINT}" if failure.kind is StartFailureKind.LOAD and \
+            not _names_its_fix(failure.error) else ""
         times = "" if decisive == 0 else f" ({decisive + 1} workers failed to start)"
-        return Failed(RunFailed(f"worker {record.worker_id} could not start or load fn{times}:\n{record.start_error}{hint}"))
+        return Failed(RunFailed(f"worker {failure.worker_id} could not start or load fn{times}:\n{failure.error}{hint}"))
     return None
 
 
@@ -91,40 +95,67 @@ def _names_its_fix(error: str | None) -> bool:
     return error is not None and shadowing.MARKER in error
 
 
+def _stop_overdue(ctx: Context) -> DriverState:
+    return Stopped(ctx.stop_reason or "stop", forced=True,
+                   note=f"the workers did not reach a commit within stop_timeout_s={ctx.limits.stop_timeout_s}")
+
+
+def _finish(ctx: Context) -> Steps:
+    """fn returned on some members; the value is the lowest finished rank's (rank 0's unless it was lost)."""
+    done = [m for m in ctx.members if m.finished and not m.dead]
+    waiting = tuple(m.worker_id for m in ctx.members if m.waiting is not None)
+    if waiting:
+        yield StopWorkers(waiting, "the job finished")
+    lost = [m.worker_id for m in ctx.members if m.dead]
+    if lost:
+        yield event("finished_with_losses", lost=lost, value_from=done[0].worker_id)
+    if ctx.stop_reason is not None and all(ctx.results.get(m.worker_id) is None for m in done):
+        return Stopped(ctx.stop_reason)
+    return Finished(ctx.results.get(done[0].worker_id))
+
+
+def _drain_deadline_s(members: list[MemberView]) -> float | None:
+    """Seconds left before the earliest drain deadline of ``members`` (None: none known)."""
+    left = [m.leave_in_s for m in members if m.leave_in_s is not None]
+    return round(min(left), 1) if left else None
+
+
 class Starting(DriverState):
     def __init__(self) -> None:
-        self.since = time.monotonic()
-        self.last_ready_change = time.monotonic()
+        self.since: float | None = None  # the first step's time
+        self.last_ready_change = 0.0
         self.ready_seen = 0
 
-    def step(self, d: "Driver") -> DriverState:
-        fatal = _fatal(d)
+    def step(self, ctx: Context) -> Steps:
+        if self.since is None:
+            self.since = self.last_ready_change = ctx.now
+        fatal = yield from _fatal(ctx)
         if fatal:
             return fatal
-        if d.stop_reason is not None:
-            d.pool.stop_waiting("the job stopped before it trained")
-            return Stopped(d.stop_reason, note="nothing had trained yet")
-        early = [r for r in d.pool.records.values() if r.finished and not r.in_ring and r.user_error is None]
-        if early:  # its fn returned without ever joining the ring: no ring can ever start with it
-            d.events.add("failed", d.round_id, d.world_size, reason="fn returned before joining the ring",
-                         worker=early[0].worker_id)
+        if ctx.stop_reason is not None:
+            yield StopWaiting("the job stopped before it trained")
+            return Stopped(ctx.stop_reason, note="nothing had trained yet")
+        if ctx.returned_early:  # its fn returned without ever joining the ring: no ring can ever start with it
+            early = ctx.returned_early[0]
+            yield event("failed", reason="fn returned before joining the ring", worker=early)
             return Failed(RunFailed(
-                f"fn returned on worker {early[0].worker_id} before it joined the job's ring (it made no er.* call "
+                f"fn returned on worker {early} before it joined the job's ring (it made no er.* call "
                 "and no collective), so the job can never start: ElasticTrainer runs fn as one worker of an elastic "
                 "ring; train inside @er.elastic.run (or call er.rank() first), or run a function that needs no ring "
                 "with Ray directly"))
-        d.poll_drains()
-        d.kill_silent([], failure_age_s=None)
-        d.request_capacity()
-        ready = d.joiners()
+        yield PollDrains()
+        yield KillSilent(members=False)
+        ctx = yield RequestCapacity()
+        ready = ctx.joiners
         if len(ready) != self.ready_seen:
-            self.ready_seen, self.last_ready_change = len(ready), time.monotonic()
-        if decisions.ready_to_start(len(ready), d.config.min_workers, d.config.max_workers,
-                                    time.monotonic() - self.last_ready_change, START_GRACE_S):
-            d.form([], ready, reason="start")
+            self.ready_seen, self.last_ready_change = len(ready), ctx.now
+        if decisions.ready_to_start(len(ready), ctx.limits.min_workers, ctx.limits.max_workers,
+                                    ctx.now - self.last_ready_change, START_GRACE_S):
+            yield Form((), ready, reason="start")
             return Running()
-        if time.monotonic() - self.since > d.config.start_timeout_s:
-            return Failed(RunFailed(d.start_diagnosis(len(ready))))
+        if ctx.now - self.since > ctx.start_timeout_s:
+            ctx = yield DiagnoseStart(len(ready))
+            return Failed(RunFailed(ctx.start_diagnosis))
         return self
 
 
@@ -135,135 +166,134 @@ class Running(DriverState):
         self.overdue_reported = False
         self.stop_sent = stop_sent
 
-    def _notify_drains(self, d: "Driver", members: list) -> None:
+    def _notify_drains(self) -> Generator[Action, Context, Context]:
         """Members whose node began draining leave at the next commit, written durably when the ring left
         behind would be too small or would hold no state (the leavers then hand it over first)."""
-        newly = [r for r in d.poll_drains() if r in members]
+        ctx = yield PollDrains()
+        newly = [m for m in ctx.members if m.worker_id in ctx.newly_draining]
         if not newly:
-            return
-        staying = [r for r in members if not r.leaving and not r.dead]
-        persist = decisions.persist_before_leaving(len(staying) + len(d.joiners()), d.config.min_workers,
-                                                   sum(1 for r in staying if r.has_state))
-        d.pool.notify(members, d.round_id, change=True, persist=persist)
+            return ctx
+        staying = [m for m in ctx.members if not m.leaving and not m.dead]
+        persist = decisions.persist_before_leaving(len(staying) + len(ctx.joiners), ctx.limits.min_workers,
+                                                   sum(1 for m in staying if m.has_state))
         if persist:
-            d.drain_persist_at = time.monotonic()
-            d.events.add("persist_requested", d.round_id, d.world_size, why="drain",
-                         deadline_s=d.drain_deadline_s(newly))
+            ctx = yield RequestPersist("drain", _drain_deadline_s(newly), change=True)
+        else:
+            ctx = yield Notify()
         self.change_requested = True
-        self.change_requested_at = time.monotonic()
+        self.change_requested_at = ctx.now
+        return ctx
 
-    def step(self, d: "Driver") -> DriverState:
-        fatal = _fatal(d)
+    def step(self, ctx: Context) -> Steps:
+        fatal = yield from _fatal(ctx)
         if fatal:
             return fatal
-        members = d.members()
-        d.kill_silent(members, failure_age_s=None)
-        if d.stop_reason is not None and not self.stop_sent:
+        ctx = yield KillSilent(failure_age_s=None)
+        if ctx.stop_reason is not None and not self.stop_sent:
             self.stop_sent = True
-            d.pool.notify(members, d.round_id, stop=True, persist=True)
-            d.events.add("persist_requested", d.round_id, d.world_size, why="stop",
-                         deadline_s=d.config.stop_timeout_s)
-        outcome = decisions.running_outcome([d.view(r) for r in members])
+            ctx = yield RequestPersist("stop", ctx.limits.stop_timeout_s, stop=True)
+        outcome = decisions.running_outcome(list(ctx.members))
         if outcome is Outcome.FINISH:
-            return d.finish(members)
+            return (yield from _finish(ctx))
         if outcome is not Outcome.CONTINUE:
-            return Reforming(outcome.value)
-        if d.stop_reason is not None:
-            if decisions.stop_overdue(d.stop_age_s(), d.limits):
-                return d.stop_overdue()
+            return Reforming(outcome.value, since=ctx.now)
+        if ctx.stop_reason is not None:
+            if decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
+                return _stop_overdue(ctx)
             return self
-        self._notify_drains(d, members)
+        ctx = yield from self._notify_drains()
         if self.change_requested and not self.overdue_reported and \
-                time.monotonic() - self.change_requested_at > COMMIT_OVERDUE_S:
+                ctx.now - self.change_requested_at > COMMIT_OVERDUE_S:
             self.overdue_reported = True
-            d.events.add("commit_overdue", d.round_id, d.world_size, waited_s=COMMIT_OVERDUE_S,
-                         advice="workers wait to join, but the ring has reached neither a step boundary nor a "
-                                "state.commit(); hold one DistributedOptimizer and one ElasticSampler in the state "
-                                "(joins, drains and stops then happen at the next step), or call state.commit() "
-                                "every few steps")
-        joiners = d.joiners()
-        if decisions.should_grow(len(members), len(joiners), d.config.max_workers, self.change_requested, False):
+            ctx = yield event("commit_overdue", waited_s=COMMIT_OVERDUE_S,
+                              advice="workers wait to join, but the ring has reached neither a step boundary nor a "
+                                     "state.commit(); hold one DistributedOptimizer and one ElasticSampler in the "
+                                     "state (joins, drains and stops then happen at the next step), or call "
+                                     "state.commit() every few steps")
+        if decisions.should_grow(len(ctx.members), len(ctx.joiners), ctx.limits.max_workers, self.change_requested,
+                                 False):
             self.change_requested = True
-            self.change_requested_at = time.monotonic()
-            d.events.add("membership_change_requested", d.round_id, d.world_size, joiners=[r.worker_id for r in joiners])
-            d.pool.notify(members, d.round_id, change=True)
-        d.request_capacity()
+            self.change_requested_at = ctx.now
+            yield event("membership_change_requested", joiners=list(ctx.joiners))
+            yield Notify()
+        yield RequestCapacity()
         return self
 
 
 class Reforming(DriverState):
-    def __init__(self, reason: str, counted: bool = False) -> None:
+    def __init__(self, reason: str, since: float, counted: bool = False) -> None:
         self.reason = reason
         self.counted = counted  # this failure counted against max_failures
         self.aborted = False    # the survivors were told to abandon the failed round
-        self.since = time.monotonic()
+        self.since = since      # when the re-form began (driver clock)
 
-    def step(self, d: "Driver") -> DriverState:
-        fatal = _fatal(d)
+    def step(self, ctx: Context) -> Steps:
+        fatal = yield from _fatal(ctx)
         if fatal:
             return fatal
         if self.reason == "failure" and not self.aborted:
             self.aborted = True  # a peer frozen or dead: nobody waits on it in a collective or a formation
-            d.pool.abort_round(d.members(), d.round_id, "the driver declared a member of this round lost")
-        d.poll_drains()
+            yield AbortRound("the driver declared a member of this round lost")
+        ctx = yield PollDrains()
         # Only a failure makes a member that stays away suspect; at a membership change, a member still away
         # is writing the commit the driver asked for (a drain or a stop), which has its own deadline.
-        d.kill_silent(d.members(), failure_age_s=time.monotonic() - self.since if self.reason == "failure" else None)
-        lost = d.report_lost()
+        ctx = yield KillSilent(failure_age_s=ctx.now - self.since if self.reason == "failure" else None)
+        lost = ctx.unreported_losses
+        if lost:
+            ctx = yield ReportLost(lost)
         if (self.reason == "failure" or lost) and not self.counted:  # a death at a membership change counts too
             self.counted = True
-            message = d.count_failure()
+            ctx = yield CountFailure()
+            message = decisions.give_up_after_failure(list(ctx.failure_ages_s), ctx.limits)
             if message:
                 return Failed(RunFailed(message))
-        members = d.members()
-        stopping = d.stop_reason is not None
-        joiners = [] if stopping else d.joiners()
-        decision = decisions.reform_decision([d.view(r) for r in members], len(joiners), stopping,
-                                             d.ever_had_state(), time.monotonic() - self.since, d.limits,
-                                             checkpoint=d.pool.durable_checkpoint is not None,
-                                             drain_saved=d.drain_persist_at is not None and
-                                             d.pool.durable_at > d.drain_persist_at)
+        stopping = ctx.stop_reason is not None
+        joiners = () if stopping else ctx.joiners
+        decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,
+                                             ctx.now - self.since, ctx.limits, checkpoint=ctx.checkpoint is not None,
+                                             drain_saved=ctx.drain_saved)
         if decision.step is Step.WAIT:
-            if stopping and decisions.stop_overdue(d.stop_age_s(), d.limits):
-                return d.stop_overdue()
+            if stopping and decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
+                return _stop_overdue(ctx)
             if not stopping:
-                d.request_capacity()
+                yield RequestCapacity()
             return self
         if decision.step is Step.FINISH:
-            return d.finish(members)
+            return (yield from _finish(ctx))
         if decision.step is Step.FAIL:
             return Failed(RunFailed(decision.message))
         if decision.step is Step.STOPPED:
-            d.pool.stop_waiting("the job stopped")
-            return Stopped(d.stop_reason or "stop", note=decision.message)
+            yield StopWaiting("the job stopped")
+            return Stopped(ctx.stop_reason or "stop", note=decision.message)
         if decision.step is Step.RELEASE:
-            for r in members:
-                if r.leaving and not r.dead:
-                    d.pool.stop(r, "its node drains; its state is in the drain commit's checkpoint")
-            d.events.add("drain_released", d.round_id, d.world_size, reason=decision.message,
-                         checkpoint=d.pool.durable_checkpoint)
-            d.ring = None  # no member is left: the next ring is formed of whoever comes, from the checkpoint
-            return Reforming(self.reason, counted=True)  # the capacity wait starts now
-        return self._form(d, members, joiners, decision)
+            leavers = tuple(m.worker_id for m in ctx.members if m.leaving and not m.dead)
+            if leavers:
+                yield StopWorkers(leavers, "its node drains; its state is in the drain commit's checkpoint")
+            yield event("drain_released", reason=decision.message, checkpoint=ctx.checkpoint)
+            ctx = yield DropRing()  # no member is left: the next ring is formed of whoever comes, from the checkpoint
+            return Reforming(self.reason, since=ctx.now, counted=True)  # the capacity wait starts now
+        return (yield from self._form(ctx, joiners, decision))
 
-    def _form(self, d: "Driver", members: list, joiners: list, decision: decisions.ReformDecision) -> DriverState:
-        staying = [r for r in members if not r.dead and not r.leaving and not r.finished]
-        keepers = [r for r in members if not r.dead and r.leaving and not r.finished and r.has_state]
+    def _form(self, ctx: Context, joiners: tuple[str, ...], decision: decisions.ReformDecision) -> Steps:
+        members = ctx.members
+        staying = [m for m in members if not m.dead and not m.leaving and not m.finished]
+        keepers = [m for m in members if not m.dead and m.leaving and not m.finished and m.has_state]
         stop = decision.step is Step.FORM_STOP
         handover = decision.step is Step.HANDOVER
-        if stop and not any(r.has_state for r in staying):
+        if stop and not any(m.has_state for m in staying):
             staying = keepers + staying   # only leavers hold the state: they commit durably and stop
         elif handover:
             staying = keepers + staying   # they sync the state to the others, then the ring re-forms without them
-        for r in members:
-            if r.leaving and not r.dead and r not in staying:
-                d.pool.stop(r, "its node drains; it left the ring at the last commit")
-        if stop:
-            for r in d.joiners():
-                d.pool.stop(r, "the job stops")
+        kept = {m.worker_id for m in staying}
+        leavers = tuple(m.worker_id for m in members if m.leaving and not m.dead and m.worker_id not in kept)
+        if leavers:
+            ctx = yield StopWorkers(leavers, "its node drains; it left the ring at the last commit")
+        if stop and ctx.joiners:
+            ctx = yield StopWorkers(ctx.joiners, "the job stops")
         if decision.message:
-            d.events.add("resuming_from_checkpoint", d.round_id, d.world_size, uri=d.pool.durable_checkpoint)
-        d.form(staying, joiners, reason=self.reason, stop=stop, handover=handover, extra=len(keepers) if handover else 0)
+            yield event("resuming_from_checkpoint", uri=ctx.checkpoint)
+        ctx = yield Form(tuple(m.worker_id for m in staying), joiners, reason=self.reason, stop=stop,
+                         handover=handover, extra=len(keepers) if handover else 0)
         kind = "handover" if handover else "recovered" if self.reason == "failure" else "resized"
-        d.events.add(kind, d.round_id, d.world_size, seconds=round(time.monotonic() - self.since, 4))
+        yield event(kind, seconds=round(ctx.now - self.since, 4))
         return Running(stop_sent=stop)
