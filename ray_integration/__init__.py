@@ -1,6 +1,20 @@
-"""ray_integration: the membership driver, the worker actors and ``ElasticTrainer``.
+"""ray_integration: ``ElasticTrainer`` on Ray, its driver and its worker actors. Uses ``elastic_ring`` and ``state``.
 
-Uses ``elastic_ring`` and ``state``.
+The root is the front door, what a user calls: :class:`ElasticTrainer` (:mod:`.trainer`), its options
+:class:`TrainerConfig` (:mod:`.config`), what a run returns (:class:`Result`, :mod:`.result`, with its
+:class:`Event` history), :func:`load_checkpoint` (a run's checkpoints, afterwards), the launcher
+(``python -m ray_integration.launch``) and every public error (:mod:`.errors`, under
+:class:`RayIntegrationError`). The sub-packages, each importing only those below it (``tests/test_layering.py``)::
+
+    trainer, result, launch          the front door: may import everything below
+    driver/                          the membership driver (the driver's process)
+    worker/                          the worker actor and its rendezvous (each worker's process)
+    train/   horovod/                Ray Train's and Horovod's APIs inside fn
+    data/    wire/                   Ray Data input; the driver <-> worker contract
+    config, errors                   the options and the errors: import nothing of ray_integration
+
+Ray Train's calls inside ``fn`` (``report``, ``get_checkpoint``, ``get_context``, ``get_dataset_shard``) are
+``ray_integration.train``'s; Horovod's API is ``ray_integration.horovod``.
 """
 
 
@@ -33,30 +47,12 @@ del _shadowing
 
 
 from .config import TrainerConfig
-from .driver import RunFailed
-from .events import Event
+from .driver.events import Event
+from .errors import RayIntegrationError, RunFailed, WorkerError
 from .result import Result
-from .train_api import TrainContext, get_checkpoint, get_context, load_checkpoint, report
+from .train._checkpoint import load_checkpoint
 from .trainer import ElasticTrainer
-from .worker import WorkerError
 
+__all__ = ["ElasticTrainer", "Event", "RayIntegrationError", "Result", "RunFailed", "TrainerConfig", "WorkerError",
+           "load_checkpoint"]
 
-def get_dataset_shard(dataset_name: str | None = None, **options):
-    """Ray Train's ``get_dataset_shard(dataset_name)``: this worker's part of ``ElasticTrainer(datasets={name:
-    ...})``; ``options`` as :func:`ray_integration.data.get_dataset_shard` takes them (imported when first called).
-    ``name=`` (this function's keyword before) is accepted too."""
-    from .data import get_dataset_shard as shard
-
-    if "name" in options:
-        if dataset_name is not None:
-            raise TypeError(f"get_dataset_shard got dataset_name={dataset_name!r} and name={options['name']!r}; "
-                            "give one (dataset_name, as Ray Train's)")
-        dataset_name = options.pop("name")
-    if dataset_name is None:
-        raise TypeError("get_dataset_shard() needs the dataset's name: get_dataset_shard('train') for "
-                        "ElasticTrainer(datasets={'train': ds})")
-    return shard(dataset_name, **options)
-
-
-__all__ = ["ElasticTrainer", "Event", "Result", "RunFailed", "TrainContext", "TrainerConfig", "WorkerError",
-           "get_checkpoint", "get_context", "get_dataset_shard", "load_checkpoint", "report"]

@@ -18,19 +18,21 @@ from elastic_ring.core.log import get_logger
 from state import CheckpointConfig, CheckpointError, CheckpointLease, CheckpointStore
 from state.reported_checkpoints import ReportedCheckpoints, with_lease_generation
 
-from .channel import Channel, Inbox
 from .config import TrainerConfig
-from .driver import Driver, Failed, Finished, Stopped
-from .events import Event, EventLog
-from .progress import ProgressDisplay
-from .ray_train_config import default_storage_location, merge, translate
+from .driver.events import Event, EventLog
+from .driver.loop import Driver
+from .driver.mailroom import Mailroom, RoundKeys, acknowledge, take_last_messages
+from .driver.pool import WorkerPool
+from .driver.progress import ProgressDisplay
+from .driver.states import Failed, Finished, Stopped
+from .driver.stopping import Signals, StopControl
+from .driver.timeline import TimelineFile
 from .result import Result
-from .train_api import as_ray_checkpoint
-from .protocol import DRIVER, Keys
-from .timeline_file import TimelineFile
-from .mailroom import Mailroom, RoundKeys, acknowledge, take_last_messages
-from .stopping import Signals, StopControl
-from .worker_pool import WorkerPool
+from .train._checkpoint import as_ray_checkpoint
+from .train._config import default_storage_location, merge, translate
+from .wire.channel import Channel, Inbox
+from .wire.protocol import DRIVER, DriverKind, Keys
+from .wire.settings import WorkerSettings
 
 _log = get_logger(__name__)
 
@@ -57,7 +59,7 @@ def _said(reason: str) -> str:
 class ElasticTrainer:
     """``ElasticTrainer(**options)``: the options of :class:`TrainerConfig`, and Ray Train's configs beside them:
     ``scaling_config=ray.train.ScalingConfig(...)``, ``run_config=ray.train.RunConfig(...)`` (translated by
-    :mod:`.ray_train_config`; an option given both ways with two values is an error), ``datasets={name: ds}``
+    :mod:`.train._config`; an option given both ways with two values is an error), ``datasets={name: ds}``
     (Ray Data datasets, read in the workers with ``get_dataset_shard(name)``)."""
 
     def __init__(self, *, scaling_config: Any = None, run_config: Any = None, datasets: dict | None = None,
@@ -201,16 +203,17 @@ class ElasticTrainer:
             receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
             # a SimpleQueue: its put() is reentrant, so stop() may put from a SIGTERM handler on this thread
             wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
-            settings = {"driver_silence_s": self.config.driver_silence_s,
-                        "flush_timeout_s": self.config.stop_timeout_s,
-                        "checkpoint": self._checkpoint_config(keys.job, lease),
-                        "use_gpu": self.config.use_gpu, "timeline": timeline is not None,
-                        "tune_allocator": self.config.tune_allocator}
+            prepared = None
             if self.datasets:  # materialized once; kept alive by this frame (and so the blocks) until the run ends
                 from .data import prepare_datasets
 
-                settings["datasets"] = prepared = prepare_datasets(self.datasets)
+                prepared = prepare_datasets(self.datasets)
                 cleanup.callback(lambda: prepared)
+            settings = WorkerSettings(driver_silence_s=self.config.driver_silence_s,
+                                      flush_timeout_s=self.config.stop_timeout_s,
+                                      checkpoint=self._checkpoint_config(keys.job, lease),
+                                      use_gpu=self.config.use_gpu, timeline=timeline is not None,
+                                      tune_allocator=self.config.tune_allocator, datasets=prepared)
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
             pool.receive = receive  # its forged-message count names tampering in the driver's errors
             driver = Driver(self.config, pool, host, events, wakeups)
@@ -218,7 +221,7 @@ class ElasticTrainer:
             cleaner = RoundKeys(server.store, keys)
 
             def on_tick(d: Driver) -> None:
-                mailroom(d)
+                mailroom(d.round_id, d.world_size)
                 cleaner.forget_before(d.round_id - 1)
                 if lease is not None:
                     lease.check()  # another run took the location over (this one stalled): stop now
@@ -231,7 +234,7 @@ class ElasticTrainer:
             cleanup.callback(pool.shutdown, "the job ended")
             inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: acknowledge(send, keys, msg))
             inbox.start()
-            cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, "wake"))
+            cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, DriverKind.WAKE))
             cleanup.callback(progress.close)
             self._stops.attach(driver, wakeups)  # a stop asked for from here on (or before) reaches the driver
             try:

@@ -1,4 +1,9 @@
-"""Ray Data input, every row trained exactly once per epoch across kills, drains and joins.
+"""``ray_integration.data``: Ray Data input, every row trained exactly once per epoch across kills, drains and joins.
+
+It owns the datasets' preparation on the driver (:mod:`.prepare`), the elastic shard a worker reads
+(:mod:`.shard`) and the conversion of Ray Data blocks to batches (:mod:`.convert`). It imports nothing of
+ray_integration (``elastic_ring``, ``state`` and Ray Data only): the trainer, the worker side and
+``ray_integration.train`` import it.
 
 On the driver, ``ElasticTrainer(datasets={"train": ds})`` calls :func:`prepare_datasets` (each dataset
 materialized once, its blocks recorded in order); every worker calls :func:`install` with the result

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from elastic_ring.core.log import get_logger
 
 if TYPE_CHECKING:
-    from .driver import Driver
+    from .loop import Driver
 
 _log = get_logger(__name__)
 

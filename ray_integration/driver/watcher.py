@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from .worker_pool import WorkerPool
+from .pool import WorkerPool
 
 
 class RayWatcher:

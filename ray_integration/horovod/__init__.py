@@ -1,4 +1,4 @@
-"""Horovod's PyTorch API over elastic_ring: ``import ray_integration.horovod as hvd``.
+"""``ray_integration.horovod``: Horovod's PyTorch API over elastic_ring, ``import ray_integration.horovod as hvd``.
 
 A Horovod (elastic) PyTorch script runs with only its import line changed, under
 ``python -m ray_integration.launch`` (or inside ``ElasticTrainer(...).run``). The
@@ -20,6 +20,10 @@ write rank 0's timeline (:mod:`.timeline`). The modules: :mod:`.errors`, :mod:`.
 what to use instead, never ignored: ``gradient_predivide_factor``, ``num_groups`` / ``groups``, and (as in
 Horovod) Adasum on a number of ranks that is not a power of two. ``join`` works with optimizer steps on the other
 ranks: ``DistributedOptimizer`` leads each step with its check by default here (``strict_checks=True``).
+
+It owns Horovod's API and nothing else; it may import ``ray_integration.errors`` (``HorovodInternalError``) and
+``ray_integration.wire`` (the timeline's trace layout), never the driver or the worker actor: a script imports
+it inside a worker, wherever ``fn`` runs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""Ray Train's ``get_context()`` inside the training function: this worker's place in the current ring."""
+
+from __future__ import annotations
+
+import posixpath
+
+import elastic_ring as er
+from state.reported_checkpoints import default_config
+
+
+class TrainContext:
+    """Ray Train's ``get_context()``: this worker's place in the current ring (after a re-form, the new ring's)."""
+
+    def get_world_rank(self) -> int:
+        return er.rank()
+
+    def get_world_size(self) -> int:
+        return er.size()
+
+    def get_local_rank(self) -> int:
+        return er.local_rank()
+
+    def get_local_world_size(self) -> int:
+        return er.local_size()
+
+    def get_node_rank(self) -> int:
+        """The index of this worker's node among the ring's nodes (in rank order: rank 0's node is 0)."""
+        er.size()  # forms the ring if it is not formed yet
+        spec = er.runtime.current().spec
+        nodes = list(dict.fromkeys(spec.node_ids))
+        return nodes.index(spec.node_ids[spec.rank])
+
+    def get_experiment_name(self) -> str | None:
+        """RunConfig's ``name``: the last part of the run's location (None without one)."""
+        config = default_config()
+        return None if config is None else posixpath.basename(config.uri.rstrip("/"))
+
+    get_trial_name = get_experiment_name
+
+    def get_storage_path(self) -> str | None:
+        """The run's location (``storage_path/name``), or None."""
+        config = default_config()
+        return None if config is None else config.uri
+
+
+_context = TrainContext()
+
+
+def get_context() -> TrainContext:
+    return _context
