@@ -13,9 +13,10 @@ Kept in a ``TorchState(..., train_sampler=sampler)``, it is saved at every
 commit, restored with the state, given to every rank by ``sync()`` and re-split
 over the new ring after a re-form, so every sample of an epoch is processed
 once (the ring's last batch of an epoch may repeat up to ``size() - 1``
-samples, Horovod's padding). elastic_ring's own batch sampler stays available
-as ``StepElasticSampler``, and ``ElasticSampler(dataset, batch_size=B, ...)``
-still builds one.
+samples, Horovod's padding). elastic_ring's own exactly-once *batch* sampler,
+``ElasticSampler(dataset, batch_size=B, ...)`` as ``DataLoader(ds,
+batch_sampler=...)``, is ``state.ElasticSampler``: given ``batch_size``, this
+one raises a ``TypeError`` that says so.
 """
 
 from __future__ import annotations
@@ -32,10 +33,7 @@ from elastic_ring.ring.elastic import run
 from state.handlers import StateDictHandler
 from state.sampler import check_sampler_args
 
-#: elastic_ring's own exactly-once *batch* sampler (``DataLoader(ds, batch_sampler=...)``; see :mod:`state.sampler`).
-StepElasticSampler = _state.ElasticSampler
-
-__all__ = ["ElasticSampler", "ObjectState", "State", "StepElasticSampler", "TorchState", "run"]
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 
 
 class ElasticSampler(torch.utils.data.Sampler):
@@ -55,12 +53,9 @@ class ElasticSampler(torch.utils.data.Sampler):
     current epoch keeps it (a loop that calls it on re-entry does not process the epoch's start twice).
     """
 
-    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if "batch_size" in kwargs or "global_batch_size" in kwargs or (args and is_int(args[0])):
-            return StepElasticSampler(dataset, *args, **kwargs)  # elastic_ring's batch sampler, as before
-        return super().__new__(cls)
-
-    def __init__(self, dataset: Sized | int, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, dataset: Sized | int, shuffle: bool = True, seed: int = 0, *more: Any, **options: Any) -> None:
+        if more or options or is_int(shuffle):
+            _refuse_batch_sampler_args(shuffle, more, options)
         size = check_sampler_args(dataset, shuffle, seed)
         self.dataset = dataset
         self.dataset_size = size
@@ -158,6 +153,17 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._processed = torch.as_tensor(state["processed"], dtype=torch.bool).clone()
         self._pending.clear()
         self.reset()
+
+
+def _refuse_batch_sampler_args(shuffle: Any, more: tuple, options: dict) -> None:
+    """A TypeError for arguments Horovod's sampler does not take; the batch sampler's name the fix."""
+    if is_int(shuffle) or {"batch_size", "global_batch_size"} & set(options) or more:
+        raise TypeError("hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0) is Horovod's sampler of indices "
+                        "(DataLoader(ds, batch_size=B, sampler=sampler)); it takes no batch size. For elastic_ring's "
+                        "batch sampler use state.ElasticSampler(dataset, batch_size, shuffle=True, seed=0, "
+                        "global_batch_size=None) as DataLoader(ds, batch_sampler=sampler)")
+    raise TypeError(f"hvd.elastic.ElasticSampler got unexpected keyword arguments {sorted(options)}; it takes "
+                    "(dataset, shuffle=True, seed=0)")
 
 
 class _HorovodState:
