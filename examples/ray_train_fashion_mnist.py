@@ -9,8 +9,8 @@ smooth prototype per class plus noise)::
 What changed from the original, line by line:
 
  1. ``import ray.train`` / ``TorchTrainer`` / torchvision -> ``import elastic_ring as er``, ``from state import
-    ElasticSampler, TorchState``, ``from ray_integration import ElasticTrainer, get_checkpoint, get_context,
-    report`` (``ray.train``'s ``Checkpoint``, ``RunConfig``, ``ScalingConfig`` stay). Added ``er.size()`` first in
+    ElasticSampler, TorchState``, ``from ray_integration import ElasticTrainer``, ``from ray_integration.train import get_checkpoint,
+    get_context, report`` (``ray.train``'s ``Checkpoint``, ``RunConfig``, ``ScalingConfig`` stay). Added ``er.size()`` first in
     ``train_func_per_worker`` (Ray Train's process group exists before the function runs; elastic_ring forms the
     worker's ring at its first call; optional). Also ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``
     (2-core machine; the same initial model).
@@ -36,7 +36,7 @@ What changed from the original, line by line:
     ``prepare_data_loader``'s loader did), and ``epoch`` -> ``state.epoch`` in the tqdm labels; the
     tqdm bars are off unless ``config["tqdm"]`` (they would fill every worker's log).
  8. added ``train_sampler.record_batch()`` after ``optimizer.step()``.
- 9. ``[3] ray.train.report(metrics={...})`` -> ``report(metrics, checkpoint=...)`` (``from ray_integration``:
+ 9. ``[3] ray.train.report(metrics={...})`` -> ``report(metrics, checkpoint=...)`` (``from ray_integration.train``:
     rank 0's record reaches the driver, as Ray Train keeps rank 0's); with a location (``--storage-path``),
     rank 0 saves the model, the optimizer and the epoch into a temporary directory and reports it as
     ``Checkpoint.from_directory(d)`` (copied at once, then uploaded and verified in the background; pass
@@ -78,7 +78,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 import elastic_ring as er
-from ray_integration import ElasticTrainer, get_checkpoint, get_context, report
+from ray_integration import ElasticTrainer
+from ray_integration.train import get_checkpoint, get_context, report
 from state import ElasticSampler, TorchState
 
 

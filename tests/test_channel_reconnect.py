@@ -10,7 +10,7 @@ import pytest
 
 import elastic_ring as er
 from elastic_ring.core.auth import new_secret
-from ray_integration.channel import Channel
+from ray_integration.wire.channel import Channel
 
 
 class Relay:

@@ -3,10 +3,10 @@ Pure functions of typed observations: no Ray, no clocks."""
 
 import pytest
 
-from ray_integration import decisions
+from ray_integration.driver import decisions
 from ray_integration.config import TrainerConfig
-from ray_integration.decisions import MemberView as M
-from ray_integration.decisions import Outcome, StartFailureKind, Step, start_failure_verdict
+from ray_integration.driver.decisions import MemberView as M
+from ray_integration.driver.decisions import Outcome, StartFailureKind, Step, start_failure_verdict
 
 LIMITS = TrainerConfig(min_workers=2, max_workers=4, heartbeat_interval_s=0.5, heartbeat_timeout_s=10,
                        collective_timeout_s=60, connect_timeout_s=30, elastic_timeout_s=20, stop_timeout_s=15,

@@ -2,7 +2,8 @@
 
 import pytest
 
-from ray_integration.devices import check_gpus_per_worker, choose_cuda_device
+from ray_integration.config import check_gpus_per_worker
+from ray_integration.worker.devices import choose_cuda_device
 
 # (ray_gpu_ids, CUDA_VISIBLE_DEVICES, noset, expected device index)
 CHOICES = [

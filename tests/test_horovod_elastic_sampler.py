@@ -80,10 +80,16 @@ def test_torch_state_keeps_the_sampler_object_across_commit_and_restore():
     assert state.train_sampler is sampler and sampler.processed_num == B and len(sampler) == N - B
 
 
-def test_batch_size_still_builds_elastic_rings_batch_sampler():
-    assert type(hvd.elastic.ElasticSampler(DATA, batch_size=4)) is hvd.elastic.StepElasticSampler
-    assert type(hvd.elastic.ElasticSampler(DATA, 4, True, 0)) is hvd.elastic.StepElasticSampler
+def test_a_batch_size_names_the_batch_sampler_as_the_fix():
+    for build in (lambda: hvd.elastic.ElasticSampler(DATA, batch_size=4),
+                  lambda: hvd.elastic.ElasticSampler(DATA, global_batch_size=8),
+                  lambda: hvd.elastic.ElasticSampler(DATA, 4, True, 0), lambda: hvd.elastic.ElasticSampler(DATA, 4)):
+        with pytest.raises(TypeError, match=r"takes no batch size.*state\.ElasticSampler\(dataset, batch_size"):
+            build()
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['drop_last'\]"):
+        hvd.elastic.ElasticSampler(DATA, drop_last=True)
     assert type(hvd.elastic.ElasticSampler(DATA, True, 0)) is hvd.elastic.ElasticSampler
+    assert not hasattr(hvd.elastic, "StepElasticSampler")
 
 
 # ------------------------------------------------------------------ a ring that loses a rank

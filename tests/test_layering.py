@@ -49,27 +49,16 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _under_type_checking(tree: ast.AST) -> set[int]:
-    """Line numbers of imports inside ``if TYPE_CHECKING:`` (annotations only: no dependency at run time)."""
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            lines |= {n.lineno for body in node.body for n in ast.walk(body) if isinstance(n, (ast.Import, ast.ImportFrom))}
-    return lines
-
-
 def import_graph() -> dict[str, set[str]]:
-    """Module -> project modules it imports anywhere in its text (top level or inside functions)."""
+    """Module -> project modules it imports anywhere in its text (top level, inside functions, or under
+    ``if TYPE_CHECKING:``: an annotation that needs the other module is a dependency too)."""
     paths = {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _under_type_checking(tree)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         targets: set[str] = set()
         for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -116,7 +105,7 @@ def test_cycle_finder_table():
 
 def test_no_import_cycles_even_through_imports_inside_functions():
     graph = import_graph()
-    assert {"elastic_ring.ring.runtime", "state.state", "ray_integration.driver"} <= set(graph)
+    assert {"elastic_ring.ring.runtime", "state.state", "ray_integration.driver.loop"} <= set(graph)
     assert "elastic_ring.reduction.signature" in graph["elastic_ring.collectives.tensors"]  # the graph sees imports,
     assert "elastic_ring.backends.gloo" in graph["elastic_ring.ring.runtime"]  # those inside functions too
     cycle = find_cycle(graph)
@@ -199,3 +188,91 @@ def test_the_old_er_module_names_still_work():
         assert type(getattr(er, name)).__name__ == "module", name
     assert callable(er.report) and callable(shared_gpu_env)
     assert sys.modules["elastic_ring.nccl_communicator"] is sys.modules["elastic_ring.backends.nccl.communicator"]
+
+
+# ------------------------------------------------------------------ ray_integration's sub-packages (issue 31)
+#: ray_integration's units (its sub-packages, and the root modules below the front door) and what each may import
+#: of ray_integration, besides ``errors`` (every public error), which any unit may import. Imports inside functions
+#: and under ``if TYPE_CHECKING:`` count. Read upward, the table is the architecture:
+#:
+#:     front door (trainer, result, launch, the package)  may import every unit
+#:     driver    config, wire, worker (the actor class, only in driver.pool: it creates the actors)
+#:     worker    wire, data
+#:     train     data              horovod   wire
+#:     wire, data, config, errors  nothing of ray_integration
+RAY_INTEGRATION_UNITS = {
+    "errors": set(),
+    "config": set(),
+    "wire": set(),
+    "data": set(),
+    "horovod": {"wire"},
+    "train": {"data"},
+    "worker": {"wire", "data"},
+    "driver": {"config", "wire", "worker"},
+}
+#: The root modules a user calls; they may import every unit.
+FRONT_DOOR = {"ray_integration", "trainer", "result", "launch"}
+#: The only module of the driver that imports the worker side: the pool creates the worker actors from its class.
+ACTOR_MAKER = "ray_integration.driver.pool"
+#: The driver's states decide; the loop acts. These modules never import the loop or the pool (nor the watcher,
+#: the mailroom: anything that touches Ray or the workers).
+DECIDING = ("ray_integration.driver.states", "ray_integration.driver.context", "ray_integration.driver.decisions",
+            "ray_integration.driver.formation")
+ACTING = {"ray_integration.driver.loop", "ray_integration.driver.pool", "ray_integration.driver.watcher",
+          "ray_integration.driver.mailroom"}
+
+
+def ray_integration_unit(module: str) -> str | None:
+    """The unit of a ray_integration module (a key of RAY_INTEGRATION_UNITS or a member of FRONT_DOOR), else None."""
+    parts = module.split(".")
+    if parts[0] != "ray_integration":
+        return None
+    return "ray_integration" if len(parts) == 1 else parts[1]
+
+
+def test_ray_integration_unit_table():
+    assert ray_integration_unit("ray_integration.driver.loop") == "driver"
+    assert ray_integration_unit("ray_integration.wire") == "wire"
+    assert ray_integration_unit("ray_integration") == "ray_integration"
+    assert ray_integration_unit("ray_integration.errors") == "errors" and ray_integration_unit("state.state") is None
+
+
+def test_every_ray_integration_module_is_in_a_unit():
+    loose = sorted(m for m in map(_module_name, (ROOT / "ray_integration").rglob("*.py"))
+                   if ray_integration_unit(m) not in RAY_INTEGRATION_UNITS.keys() | FRONT_DOOR)
+    assert not loose, (f"{loose}: every module of ray_integration is a front-door module ({sorted(FRONT_DOOR)}) or "
+                       f"lives in a unit of RAY_INTEGRATION_UNITS ({sorted(RAY_INTEGRATION_UNITS)}); put it in the "
+                       "sub-package that owns what it does, and give a new unit its rule")
+
+
+def test_the_graph_counts_imports_under_type_checking():
+    # driver.stopping names the loop's Driver only in annotations, under `if TYPE_CHECKING:`
+    assert "ray_integration.driver.loop" in import_graph()["ray_integration.driver.stopping"]
+
+
+def test_ray_integration_units_import_only_what_their_rule_allows():
+    graph = import_graph()
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        mine = ray_integration_unit(module)
+        if mine is None or mine in FRONT_DOOR:
+            continue
+        for target in sorted(targets):
+            theirs = ray_integration_unit(target)
+            if theirs is None or theirs == mine or theirs == "errors":
+                continue
+            if theirs not in RAY_INTEGRATION_UNITS[mine]:
+                wrong.append(f"{module} ({mine}) imports {target} ({theirs}); {mine} may import "
+                             f"{sorted(RAY_INTEGRATION_UNITS[mine] | {'errors'})}")
+            elif (mine, theirs) == ("driver", "worker") and module != ACTOR_MAKER:
+                wrong.append(f"{module} imports {target}: of the worker side the driver imports only the actor "
+                             f"class, in {ACTOR_MAKER}")
+    assert not wrong, ("ray_integration's units import downward only (RAY_INTEGRATION_UNITS); move the code either "
+                       "needs into the lower unit, or pass it in from the front door:\n  " + "\n  ".join(wrong))
+
+
+def test_the_driver_states_decide_and_never_import_what_acts():
+    graph = import_graph()
+    assert ACTING <= set(graph) and set(DECIDING) <= set(graph)
+    wrong = {module: sorted(graph[module] & ACTING) for module in DECIDING if graph[module] & ACTING}
+    assert not wrong, f"the driver's states and decisions return typed actions; only the loop acts: {wrong}"

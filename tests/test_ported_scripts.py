@@ -136,9 +136,9 @@ def port_with_sync_reports(config):
 
     from ray.train import CheckpointUploadMode
 
-    import ray_integration
+    import ray_integration.train
 
-    ray_train_fashion_mnist.report = functools.partial(ray_integration.report,
+    ray_train_fashion_mnist.report = functools.partial(ray_integration.train.report,
                                                        checkpoint_upload_mode=CheckpointUploadMode.SYNC)
     return ray_train_fashion_mnist.train_func_per_worker(config)
 

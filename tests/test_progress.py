@@ -5,8 +5,8 @@ import io
 
 import pytest
 
-from ray_integration import progress as progress_mod
-from ray_integration.progress import ProgressDisplay
+from ray_integration.driver import progress as progress_mod
+from ray_integration.driver.progress import ProgressDisplay
 
 
 class Terminal(io.StringIO):

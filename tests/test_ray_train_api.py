@@ -12,7 +12,8 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 import state
-from ray_integration import ElasticTrainer, Result, get_checkpoint, get_context, load_checkpoint, report
+from ray_integration import ElasticTrainer, Result, load_checkpoint
+from ray_integration.train import get_checkpoint, get_context, report
 from ray_integration.config import TrainerConfig
 from state import CheckpointError, CheckpointLease, CheckpointRefused, CheckpointStore, ReportedCheckpoints
 
@@ -226,7 +227,7 @@ def test_report_accepts_what_ray_train_accepts(monkeypatch):
 
 
 def test_get_dataset_shard_takes_ray_trains_keyword():
-    from ray_integration import get_dataset_shard
+    from ray_integration.train import get_dataset_shard
 
     for call in (lambda: get_dataset_shard(dataset_name="train"), lambda: get_dataset_shard("train"),
                  lambda: get_dataset_shard(name="train")):
@@ -257,20 +258,16 @@ def test_report_then_get_checkpoint_in_one_process(tmp_path):
 
 
 # ---------------------------------------------------------------- Result and load_checkpoint
-def test_result_metrics_is_the_last_record_and_list_use_warns():
+def test_result_metrics_is_the_last_record():
     history = [{"step": 1, "loss": 0.9}, {"step": 2, "loss": 0.5}]
     result = Result(value=None, metrics_history=history)
     assert result.metrics == {"step": 2, "loss": 0.5} and result.metrics["loss"] == 0.5
-    with pytest.warns(DeprecationWarning, match="metrics_history"):
-        assert result.metrics[0] == history[0]
-    with pytest.warns(DeprecationWarning):
-        assert result.metrics[-1:] == history[-1:]
     frame = result.metrics_dataframe
     assert list(frame["loss"]) == [0.9, 0.5] and len(frame) == 2
     assert Result(value=None).metrics == {} and Result(value=None).error is None
 
 
-def test_result_metrics_iterating_and_len_warn_but_dict_operations_do_not():
+def test_result_metrics_is_a_plain_dict():
     history = [{"step": 1}, {"step": 2, "loss": 0.5, "hist": [1, 2]}]
     metrics = Result(value=None, metrics_history=history).metrics
     with warnings.catch_warnings():
@@ -279,25 +276,11 @@ def test_result_metrics_iterating_and_len_warn_but_dict_operations_do_not():
         assert list(metrics.keys()) == ["step", "loss", "hist"] and dict(metrics.items()) == history[-1]
         assert json.loads(json.dumps(metrics)) == history[-1] and "loss" in metrics and bool(metrics)
         assert metrics.get("loss") == 0.5 and not Result(value=None).metrics
-    with pytest.warns(DeprecationWarning, match="metrics_history"):
         assert [k for k in metrics] == ["step", "loss", "hist"]
-    with pytest.warns(DeprecationWarning, match="metrics_history"):
         assert len(metrics) == 3
 
 
-def test_result_accepts_the_old_constructor_arguments_with_warnings():
-    with pytest.warns(DeprecationWarning, match=r"Result\(metrics=\[\.\.\.\]\) is deprecated.*metrics_history"):
-        result = Result(value=None, metrics=[{"loss": 1.0}, {"loss": 0.5}])
-    assert result.metrics_history == [{"loss": 1.0}, {"loss": 0.5}] and result.metrics == {"loss": 0.5}
-    with pytest.raises(TypeError, match=r"Result\(metrics=\.\.\.\) takes the list"), pytest.warns(DeprecationWarning):
-        Result(value=None, metrics={"loss": 1.0})
-    with pytest.warns(DeprecationWarning, match=r"Result\(checkpoint=<a URI string>\) is deprecated.*checkpoint_uri"):
-        old = Result(value=None, checkpoint="/runs/job/ckpt-000000000003")
-    assert old.checkpoint_uri == "/runs/job/ckpt-000000000003" and isinstance(old.checkpoint, Checkpoint)
-    assert old.checkpoint.path == "/runs/job/ckpt-000000000003"
-
-
-def test_result_checkpoint_used_as_a_string_still_works_with_a_warning(tmp_path):
+def test_result_checkpoint_is_a_ray_checkpoint(tmp_path):
     state_uri = "file:///runs/job/ckpt-000000000002"
     reported = Checkpoint("/runs/job/reported/ckpt-000000000005/files")
     result = Result(value=None, checkpoint_uri=state_uri, checkpoint=reported)
@@ -307,22 +290,6 @@ def test_result_checkpoint_used_as_a_string_still_works_with_a_warning(tmp_path)
         assert isinstance(ckpt, Checkpoint) and ckpt.path == reported.path and ckpt.filesystem is reported.filesystem
         assert ckpt == ckpt and ckpt != Checkpoint(reported.path) and bool(ckpt) and "Checkpoint(" in repr(ckpt)
         assert hash(ckpt) == hash(ckpt) and {ckpt: 1}[ckpt] == 1
-    uses = {
-        "str()": lambda: str(ckpt) == state_uri,
-        "os.fspath()": lambda: os.fspath(ckpt) == state_uri and os.path.join(ckpt, "x") == state_uri + "/x",
-        "+": lambda: ckpt + "/MANIFEST.json" == state_uri + "/MANIFEST.json" and "at " + ckpt == "at " + state_uri,
-        ".startswith": lambda: ckpt.startswith("file://") and ckpt.rstrip("2").endswith("ckpt-00000000000"),
-        "== a str": lambda: ckpt == state_uri and ckpt != "other" and state_uri == ckpt,
-        "a format string": lambda: f"{ckpt}" == state_uri and "%s" % ckpt == state_uri,
-        "in": lambda: "ckpt-" in ckpt,
-    }
-    for use, check in uses.items():
-        with pytest.warns(DeprecationWarning, match=r"using it as a string .*Result\.checkpoint_uri") as caught:
-            assert check(), use
-        assert any(use in str(w.message) for w in caught), (use, [str(w.message) for w in caught])
-    only_reported = Result(value=None, checkpoint=reported).checkpoint  # no state checkpoint: its own URL
-    with pytest.warns(DeprecationWarning):
-        assert str(only_reported) == reported.path
     import pickle
 
     again = pickle.loads(pickle.dumps(result))
@@ -377,7 +344,7 @@ def test_a_location_means_the_same_checkpoint_for_load_checkpoint_and_result(tmp
 # ---------------------------------------------------------------- on Ray
 def context_job(config):
     import elastic_ring as er
-    from ray_integration import get_context, report
+    from ray_integration.train import get_context, report
 
     er.size()
     ctx = get_context()

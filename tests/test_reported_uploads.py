@@ -18,7 +18,8 @@ import pytest
 from ray.train import Checkpoint, CheckpointUploadMode
 
 import state
-from ray_integration import get_checkpoint, load_checkpoint, report
+from ray_integration import load_checkpoint
+from ray_integration.train import get_checkpoint, report
 from state import CheckpointError, CheckpointLease, ReportedCheckpoints
 from state import reported_uploads
 from state.reported_checkpoints import with_lease_generation

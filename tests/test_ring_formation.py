@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_integration.ring_formation import Member, form_ring
+from ray_integration.driver.formation import Member, form_ring
 
 
 def members(*specs):

@@ -162,7 +162,7 @@ def test_messages_taken_from_the_driver_kill_no_live_worker_and_are_named(ray_se
     through Ray: none is killed. A short theft is an event; one that lasts two heartbeat timeouts ends the run
     naming tampering, instead of "every worker was lost". When only one worker's messages go missing while
     the others' arrive, it is that worker's connection: it is a lost worker, replaced, and the run goes on."""
-    from ray_integration import worker_pool
+    from ray_integration.driver import pool as worker_pool
 
     progress = tmp_path / "progress"
     window = {}

@@ -142,8 +142,8 @@ def test_a_failed_final_checkpoint_flush_is_the_results_checkpoint_error(tmp_pat
     run): the stopped Result carries its error, and the stderr line says the stop was not clean."""
     from types import SimpleNamespace
 
-    from ray_integration.driver import Stopped
-    from ray_integration.events import EventLog
+    from ray_integration.driver.events import EventLog
+    from ray_integration.driver.states import Stopped
 
     events = EventLog()
     events.add("checkpoint_written", 1, 2, uri="file:///x/ckpt-000001")

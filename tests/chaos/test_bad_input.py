@@ -10,7 +10,7 @@ import errno
 import pytest
 
 from ray_integration import ElasticTrainer, WorkerError
-from ray_integration import driver_states as driver_mod
+from ray_integration.driver import states as driver_mod
 from state import CheckpointError, CheckpointStore
 from tests import ray_jobs
 from tests.chaos import bad_jobs

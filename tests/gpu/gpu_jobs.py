@@ -12,7 +12,7 @@ N_SAMPLES = 32
 
 def train_on_gpu(config: dict):
     """An exact-invariant job on the worker's GPU: every sample's hit count ends at ``epochs``."""
-    from ray_integration.devices import worker_cuda_device
+    from ray_integration.worker.devices import worker_cuda_device
 
     expected_device = worker_cuda_device()
     device = torch.device("cuda", torch.cuda.current_device())
