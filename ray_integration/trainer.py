@@ -203,7 +203,7 @@ class ElasticTrainer:
             receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits
             # a SimpleQueue: its put() is reentrant, so stop() may put from a SIGTERM handler on this thread
             wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
-            prepared = None
+            checkpointing, prepared = self._checkpoint_config(keys.job, lease), None
             if self.datasets:  # materialized once; kept alive by this frame (and so the blocks) until the run ends
                 from .data import prepare_datasets
 
@@ -211,7 +211,7 @@ class ElasticTrainer:
                 cleanup.callback(lambda: prepared)
             settings = WorkerSettings(driver_silence_s=self.config.driver_silence_s,
                                       flush_timeout_s=self.config.stop_timeout_s,
-                                      checkpoint=self._checkpoint_config(keys.job, lease),
+                                      checkpoint=checkpointing,
                                       use_gpu=self.config.use_gpu, timeline=timeline is not None,
                                       tune_allocator=self.config.tune_allocator, datasets=prepared)
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)

@@ -288,7 +288,7 @@ class Driver:
             return done.value
 
     def run(self, on_tick: Callable[["Driver"], None] | None = None) -> DriverState:
-        state: DriverState = Starting()
+        state: DriverState = Starting(since=time.monotonic())
         watcher = RayWatcher(self.pool, self.wakeups)
         watcher.start()
         last = time.monotonic()

@@ -121,14 +121,16 @@ def _drain_deadline_s(members: list[MemberView]) -> float | None:
 
 
 class Starting(DriverState):
-    def __init__(self) -> None:
-        self.since: float | None = None  # the first step's time
-        self.last_ready_change = 0.0
+    def __init__(self, since: float | None = None) -> None:
+        self.since = since  # when the run started (driver clock; None: at the first step)
+        self.last_ready_change = since
         self.ready_seen = 0
 
     def step(self, ctx: Context) -> Steps:
         if self.since is None:
-            self.since = self.last_ready_change = ctx.now
+            self.since = ctx.now
+        if self.last_ready_change is None:
+            self.last_ready_change = self.since
         fatal = yield from _fatal(ctx)
         if fatal:
             return fatal
