@@ -2,7 +2,7 @@
 
 Everything here *does*; nothing decides. The pool keeps one :class:`WorkerRecord`
 per worker up to date from the workers' messages (:meth:`apply`) and from Ray
-(:meth:`apply_ray`), and does what the driver's states tell it. All times are
+(:meth:`apply_ray`), and does what the driver's loop tells it. All times are
 the driver's own monotonic clock.
 """
 
