@@ -4,7 +4,7 @@
 * ``report(metrics, checkpoint=None)``: the metrics reach the driver's ``Result`` (rank 0's); a checkpoint
   (``ray.train.Checkpoint.from_directory(d)``) is copied into a local snapshot at once (``d`` may go or be reused
   when ``report`` returns) and uploaded by rank 0 in the background into the run's location as a reported
-  checkpoint (:mod:`state.reported_uploads`, :mod:`state.reported_checkpoints`): the other ranks never wait for
+  checkpoint (:mod:`state.checkpoints.uploads`, :mod:`state.checkpoints.reported`): the other ranks never wait for
   it. ``state.flush_checkpoints`` (when ``fn`` returns, at a stop or a drain) waits for the uploads. Other ranks'
   checkpoints are not uploaded (a warning, once).
 * ``get_checkpoint()``: the newest verified reported checkpoint at the run's location (this run's, or an earlier
@@ -31,13 +31,13 @@ from elastic_ring.core import progress
 from elastic_ring.core.log import get_logger
 from elastic_ring.ring import report as ring_report
 from elastic_ring.ring import runtime as ring_runtime
-from state import CheckpointError, CheckpointRefused, CheckpointStore
-from state.checkpoint_io import Location
-from state.checkpoint_policy import parse_checkpoint_dir
-from state.reported_checkpoints import (
-    FILES, SUBDIR, ReportedCheckpoints, default_config, lease_generation, manifest_digest, verify_local,
-)
-from state.reported_uploads import uploads_for
+from state import CheckpointError, CheckpointRefused
+from state.checkpoints.config import default_checkpointing as default_config
+from state.checkpoints.policy import parse_checkpoint_dir
+from state.checkpoints.reported import FILES, SUBDIR, ReportedCheckpoints, manifest_digest, verify_local
+from state.checkpoints.store import CheckpointStore
+from state.checkpoints.transport import Location
+from state.checkpoints.uploads import uploads_for
 
 _log = get_logger(__name__)
 #: Keys every report record carries already; a metric of that name would hide them.
@@ -84,7 +84,7 @@ def report(metrics: dict, checkpoint: Any = None, *, checkpoint_upload_mode: Any
         rank = _rank()
         if rank == 0:
             uploads = uploads_for(config.uri, config.keep_last, run_id=config.run_id, signing_key=config.signing_key,
-                                  lease_generation=lease_generation(config),
+                                  lease_generation=config.lease_generation,
                                   max_consecutive_failures=config.max_consecutive_failures)
             uploads.submit(directory, metrics)
             if sync:
@@ -254,7 +254,7 @@ class TrainContext:
     def get_node_rank(self) -> int:
         """The index of this worker's node among the ring's nodes (in rank order: rank 0's node is 0)."""
         er.size()  # forms the ring if it is not formed yet
-        spec = er.runtime.current().spec
+        spec = ring_runtime.current().spec
         nodes = list(dict.fromkeys(spec.node_ids))
         return nodes.index(spec.node_ids[spec.rank])
 
