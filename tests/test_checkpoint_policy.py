@@ -2,8 +2,9 @@
 
 import pytest
 
-from state import CheckpointConfig, check_checkpoint_uri
-from state.checkpoint_policy import Entry, next_sequence, parse_checkpoint_dir, plan_prune
+from state import CheckpointConfig
+from state.checkpoints.config import check_checkpoint_uri
+from state.checkpoints.policy import Entry, next_sequence, parse_checkpoint_dir, plan_prune
 
 
 @pytest.mark.parametrize("uri, normalized", [
