@@ -36,7 +36,8 @@ from .reported import ReportedCheckpoints
 
 
 class ReportedUploads:
-    """Uploads into ``store`` from a background thread (module docstring)."""
+    """Uploads into ``store`` from a background thread (module docstring); ``writer`` is its
+    :class:`~state.checkpoints.background.BackgroundWriter` (``written``, ``events``, ``consecutive_failures``)."""
 
     def __init__(self, store: ReportedCheckpoints, *, retry_budget_s: float = DEFAULT_WRITE_RETRY_S,
                  max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES) -> None:
@@ -72,23 +73,6 @@ class ReportedUploads:
             return url, seq, None
 
         return Job(write, nbytes, discard=lambda: shutil.rmtree(snapshot, ignore_errors=True))
-
-    @property
-    def busy(self) -> bool:
-        return self.writer.busy or self.writer._waiting is not None
-
-    @property
-    def written(self) -> list[str]:
-        """The files URLs written, oldest first."""
-        return self.writer.written
-
-    @property
-    def events(self) -> list[dict]:
-        return self.writer.events
-
-    @property
-    def consecutive_failures(self) -> int:
-        return self.writer.consecutive_failures
 
     def flush(self, timeout_s: float | None) -> str | None:
         """Wait for the upload in flight and the waiting one; a last upload that failed transiently is written
