@@ -24,8 +24,8 @@ from elastic_ring.core import allocator, progress, timeline
 from elastic_ring.ring import runtime
 from elastic_ring.ring.report import set_reporter
 from elastic_ring.ring.store import connect
-from state.checkpoints.hooks import set_checkpoint_listener
 from state.checkpoints.config import set_default_checkpointing
+from state.checkpoints.hooks import set_checkpoint_listener
 from state.state import set_resume_listener
 
 from elastic_ring.core.log import get_logger

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from state import CheckpointConfig, CheckpointError
-from state.checkpoints.store import CheckpointStore
 from state.checkpoints.background import BackgroundWriter
+from state.checkpoints.store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -21,12 +21,12 @@ import torch
 
 from state import CheckpointError
 from state.checkpoints.lease import CheckpointLease
-from state.checkpoints.store import CheckpointStore
-from state.errors import CheckpointLeaseLost
-from state.checkpoints.transport import Location
 from state.checkpoints.lease import read_holder
 from state.checkpoints.lease_file import FileLease
 from state.checkpoints.lease_object_store import ObjectStoreLease
+from state.checkpoints.store import CheckpointStore
+from state.checkpoints.transport import Location
+from state.errors import CheckpointLeaseLost
 from tests.object_dir_fs import object_uri
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from state import CheckpointError, ObjectState, TorchState, flush_checkpoints
-from state.checkpoints.hooks import set_checkpoint_listener
-from state.checkpoints.store import CheckpointStore
 from state.checkpoints import hooks as checkpoint_writer
 from state.checkpoints.background import BackgroundWriter
+from state.checkpoints.hooks import set_checkpoint_listener
+from state.checkpoints.store import CheckpointStore
 
 _rounds = itertools.count(1000)
 

@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from state.checkpoints.reported import ReportedCheckpoints
 from state.checkpoints.lease_file import LOCK_NAME, read_record
+from state.checkpoints.reported import ReportedCheckpoints
 from state.checkpoints.transport import Location
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ import state
 from ray_integration import get_checkpoint, load_checkpoint, report
 from state import CheckpointError
 from state.checkpoints import uploads as reported_uploads
-from state.checkpoints.hooks import set_checkpoint_listener
 from state.checkpoints.config import set_default_checkpointing
+from state.checkpoints.hooks import set_checkpoint_listener
 from state.checkpoints.lease import CheckpointLease
 from state.checkpoints.reported import ReportedCheckpoints
 

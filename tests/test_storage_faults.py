@@ -30,13 +30,13 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from state import CheckpointError, flush_checkpoints
+from state.checkpoints import hooks as checkpoint_writer
+from state.checkpoints.background import BackgroundWriter
+from state.checkpoints.faults import is_transient
 from state.checkpoints.hooks import set_checkpoint_listener
 from state.checkpoints.lease import CheckpointLease
 from state.checkpoints.store import CheckpointStore
-from state.checkpoints import hooks as checkpoint_writer
 from state.errors import CheckpointLeaseLost
-from state.checkpoints.faults import is_transient
-from state.checkpoints.background import BackgroundWriter
 
 RUN = "run-faults"
 
