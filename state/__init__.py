@@ -10,8 +10,9 @@ errors (:mod:`state.errors`). The plumbing is imported from the module that owns
 
 The core sits at the root (``state.py``, ``torch_state.py``, ``handlers.py``, ``snapshot.py``, ``recovery.py``,
 ``membership.py``, ``step_link.py``, ``errors.py``) and may import both sub-packages: :mod:`state.samplers`
-(positions in the data) and :mod:`state.checkpoints` (durable checkpoints), which never import the core (see their
-docstrings and ``tests/test_layering.py``). Uses ``elastic_ring`` only (never Ray, never ``ray_integration``).
+(positions in the data) and :mod:`state.checkpoints` (durable checkpoints), which never import the core but its
+leaves ``errors.py`` and ``snapshot.py`` (see their docstrings and ``tests/test_layering.py``). Uses
+``elastic_ring`` only (never Ray, never ``ray_integration``).
 """
 
 
@@ -43,8 +44,8 @@ _shadowing().check("elastic_ring")  # before importing it: a user's elastic_ring
 del _shadowing
 
 
-from .checkpoints.hooks import flush_checkpoints
 from .checkpoints.config import CheckpointConfig
+from .checkpoints.hooks import flush_checkpoints
 from .errors import (
     CheckpointCorrupt, CheckpointError, CheckpointLeaseLost, CheckpointRefused, StateError, TrainingStopped,
 )
