@@ -16,7 +16,10 @@ from elastic_ring.backends.nccl.communicator import shared_gpu_env
 
 def new_secret() -> bytes | None:
     """A job secret for RingSpec.auth_key where this version of elastic_ring has one (else None)."""
-    auth = getattr(er, "auth", None)
+    try:
+        from elastic_ring.core import auth
+    except ImportError:  # a version from before the sub-packages: er.auth, or no authentication at all
+        auth = getattr(er, "auth", None)
     return auth.new_secret() if auth is not None else None
 
 

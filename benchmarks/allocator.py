@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.core import allocator
 from benchmarks._launch import run_ranks
 from benchmarks.step import WORKLOADS, _model
 
@@ -31,7 +32,7 @@ def _faults() -> int:
 
 
 def _bench(name: str, tuned: bool, steps: int, blocks: int, port: int) -> dict:
-    applied = er.allocator.tune() if tuned else False
+    applied = allocator.tune() if tuned else False
     workload = WORKLOADS[name]
     rank, world = er.rank(), er.size()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)

@@ -28,6 +28,7 @@ import time
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from benchmarks._launch import median_ms, run_ranks
 
 
@@ -46,7 +47,7 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
 
 
 def _bench(reps: int, threshold_bytes: int, bucket_bytes: int) -> dict[str, list[float]]:
-    comm = er.runtime.current()
+    comm = runtime.current()
     tensors = [torch.randn(s) for s in resnet50_shapes()]
     flat = torch.randn(sum(t.numel() for t in tensors))
     packed = torch.empty_like(flat)

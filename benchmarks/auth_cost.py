@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.backends.gloo import GlooCommunicator
 from elastic_ring.core.auth import AuthenticatedStore, seal_json
 from benchmarks._launch import median_ms, run_ranks
@@ -32,7 +33,7 @@ from benchmarks.step import mlp
 
 def _bench(width: int, depth: int, blocks: int, reforms: int, port: int) -> dict[str, list[float]]:
     rank, world = er.rank(), er.size()
-    secret = er.runtime.current().auth_key
+    secret = runtime.current().auth_key
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                         timeout=datetime.timedelta(seconds=60))
     model = mlp(depth, width)

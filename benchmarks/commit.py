@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from state import CheckpointStore, TorchState
+from state import TorchState
+from state.checkpoints.store import CheckpointStore
 from state.snapshot import copy_tree
 
 

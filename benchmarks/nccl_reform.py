@@ -37,6 +37,7 @@ import time
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from benchmarks._launch import new_secret
 from benchmarks._needs import Results, require_nccl
 from elastic_ring.backends.nccl.communicator import shared_gpu_env
@@ -93,7 +94,7 @@ def form(spec: er.RingSpec) -> dict:
 def loop_until_error(flag: str) -> str:
     import torch
 
-    comm = er.runtime.current()
+    comm = runtime.current()
     x = torch.ones(1 << 18, device=comm.device)
     pathlib.Path(flag).touch()
     deadline = time.monotonic() + 120
@@ -172,7 +173,7 @@ class Ranks:
 
 def leave() -> bool:
     """This rank leaves its ring gracefully (a drained or stopped worker): it aborts its communicator."""
-    er.runtime.current().abort()
+    runtime.current().abort()
     er.shutdown()
     return True
 

@@ -3,7 +3,7 @@
 ``elastic_ring``, ``state`` and ``ray_integration`` are top-level names, and ``state.py`` beside a training
 script is a very common file. Python imports whatever comes first on ``sys.path`` (or whatever was
 imported first), so such a file *shadows* our package, and the failure surfaces later as
-``No module named 'state.checkpoint_policy'; 'state' is not a package``. On Ray, the driver's working
+``No module named 'state.checkpoints'; 'state' is not a package``. On Ray, the driver's working
 directory and script directory come first on every worker's ``sys.path``, so a file there breaks every
 worker even when the driver imports fine.
 
@@ -24,7 +24,7 @@ from typing import Iterable
 #: Our top-level packages, each with a file that only our copy of it holds. A package is ours when it
 #: is a regular package with that file; where it lives does not matter (``runtime_env={"py_modules":
 #: [...]}`` ships each package to a directory of its own).
-PACKAGES = {"elastic_ring": "shadowing.py", "state": "checkpoint_policy.py", "ray_integration": "trainer.py"}
+PACKAGES = {"elastic_ring": "shadowing.py", "state": "step_link.py", "ray_integration": "trainer.py"}
 
 #: In every message of :class:`PackageShadowedError`, and stable: the driver can look for it in the
 #: text of a worker's start failure.

@@ -16,6 +16,8 @@ import multiprocessing as mp
 import torch
 
 import elastic_ring as er
+from elastic_ring.core.auth import new_secret
+from elastic_ring.ring.store import StoreServer
 
 
 def train(rank: int, world: int, port: int, secret: bytes, steps: int, queue) -> None:
@@ -55,8 +57,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    server = er.StoreServer("127.0.0.1")  # the rendezvous store, listening on loopback only
-    secret = er.auth.new_secret()  # the job's secret: handed to the ranks out of band (here: process arguments)
+    server = StoreServer("127.0.0.1")  # the rendezvous store, listening on loopback only
+    secret = new_secret()  # the job's secret: handed to the ranks out of band (here: process arguments)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=train, args=(r, args.world, server.address.port, secret, args.steps, queue))

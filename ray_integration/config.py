@@ -14,7 +14,7 @@ from elastic_ring.core.constants import COLLECTIVE_TIMEOUT_S
 from elastic_ring.core.spec import NCCL_REFORMS
 from elastic_ring.core.validation import check_bool, check_int, check_number, is_int, is_number
 
-from state.checkpoint_policy import check_checkpoint_uri, check_protocol_available
+from state.checkpoints.config import check_checkpoint_uri, check_protocol_available
 
 _OWNER = "ElasticTrainer"
 #: The persistence cadence used when only checkpoint_uri is given (plus a checkpoint at every stop and drain).

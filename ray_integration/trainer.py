@@ -11,12 +11,14 @@ from typing import Any, Callable
 
 import ray
 
-import elastic_ring as er
 from elastic_ring import shadowing
 from elastic_ring.core.auth import new_secret
 from elastic_ring.core.log import get_logger
-from state import CheckpointConfig, CheckpointError, CheckpointLease, CheckpointStore
-from state.reported_checkpoints import ReportedCheckpoints, with_lease_generation
+from elastic_ring.ring.store import StoreServer
+from state import CheckpointConfig, CheckpointError
+from state.checkpoints.lease import CheckpointLease
+from state.checkpoints.reported import ReportedCheckpoints
+from state.checkpoints.store import CheckpointStore
 
 from .config import TrainerConfig
 from .driver.events import Event, EventLog
@@ -105,9 +107,9 @@ class ElasticTrainer:
         if self.config.checkpoint_uri is None:
             return None
         every_n, every_s = self.config.checkpoint_cadence
-        config = CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last,
-                                  run_id=run_id, trusted=self.config.trusted_checkpoints)
-        return with_lease_generation(config, lease.generation if lease is not None else None)
+        return CheckpointConfig(self.config.checkpoint_uri, every_n, every_s, self.config.checkpoint_keep_last,
+                                run_id=run_id, trusted=self.config.trusted_checkpoints,
+                                lease_generation=lease.generation if lease is not None else None)
 
     def _lease(self, run_id: str) -> CheckpointLease | None:
         """Hold the checkpoint location for this run: a second live job there is refused within seconds."""
@@ -197,7 +199,7 @@ class ElasticTrainer:
             if lease is not None:
                 cleanup.callback(lease.release)  # last: the workers are stopped, nothing of this run writes
             host = self.config.bind_address or ray.util.get_node_ip_address()
-            server = er.StoreServer(host, timeout_s=max(60.0, self.config.connect_timeout_s))
+            server = StoreServer(host, timeout_s=max(60.0, self.config.connect_timeout_s))
             cleanup.callback(server.close)
             send = Channel(server.store, secret, DRIVER)
             receive = Channel(server.connect(60.0), secret, DRIVER)  # its own connection: it blocks in waits

@@ -1,6 +1,18 @@
-"""state: commit / restore / sync of training state, durable checkpoints, the elastic sampler.
+"""state: commit / restore / sync of training state, durable checkpoints, the elastic samplers.
 
-Uses ``elastic_ring`` only (never Ray, never ``ray_integration``).
+What a training script calls is exported here: :class:`State`, :class:`TorchState`, :class:`ObjectState`,
+:class:`ElasticSampler`, :class:`ElasticStream`, :class:`CheckpointConfig`, :func:`flush_checkpoints` and the public
+errors (:mod:`state.errors`). The plumbing is imported from the module that owns it (the worker runtime's hooks:
+``state.checkpoints.config.set_default_checkpointing``, ``state.checkpoints.hooks.set_checkpoint_listener``,
+``state.state.set_resume_listener``; the stores and the lease: ``state.checkpoints.store.CheckpointStore``,
+``state.checkpoints.reported.ReportedCheckpoints``, ``state.checkpoints.lease.CheckpointLease``; the notices:
+``state.membership``).
+
+The core sits at the root (``state.py``, ``torch_state.py``, ``handlers.py``, ``snapshot.py``, ``recovery.py``,
+``membership.py``, ``step_link.py``, ``errors.py``) and may import both sub-packages: :mod:`state.samplers`
+(positions in the data) and :mod:`state.checkpoints` (durable checkpoints), which never import the core but its
+leaves ``errors.py`` and ``snapshot.py`` (see their docstrings and ``tests/test_layering.py``). Uses
+``elastic_ring`` only (never Ray, never ``ray_integration``).
 """
 
 
@@ -32,24 +44,18 @@ _shadowing().check("elastic_ring")  # before importing it: a user's elastic_ring
 del _shadowing
 
 
-from .checkpoint_errors import CheckpointCorrupt, CheckpointError, CheckpointLeaseLost, CheckpointRefused
-from .checkpoint_lease import CheckpointLease
-from .checkpoint_policy import CheckpointConfig, check_checkpoint_uri
-from .checkpoint_store import CheckpointStore
-from .checkpoint_writer import flush_checkpoints, set_checkpoint_listener
-from .reported_checkpoints import ReportedCheckpoints
-from .membership import (
-    TrainingStopped, clear_membership_change, membership_change_requested, request_membership_change, request_stop,
+from .checkpoints.config import CheckpointConfig
+from .checkpoints.hooks import flush_checkpoints
+from .errors import (
+    CheckpointCorrupt, CheckpointError, CheckpointLeaseLost, CheckpointRefused, StateError, TrainingStopped,
 )
-from .sampler import ElasticSampler
-from .stream import ElasticStream
-from .state import State, default_checkpointing, set_default_checkpointing, set_resume_listener
+from .samplers.sampler import ElasticSampler
+from .samplers.stream import ElasticStream
+from .state import State
 from .torch_state import ObjectState, TorchState
 
 __all__ = [
-    "CheckpointConfig", "CheckpointCorrupt", "CheckpointError", "CheckpointLeaseLost", "CheckpointLease", "CheckpointRefused",
-    "CheckpointStore", "ElasticSampler", "ElasticStream", "ObjectState", "ReportedCheckpoints", "State", "TorchState", "TrainingStopped",
-    "check_checkpoint_uri", "clear_membership_change", "default_checkpointing", "flush_checkpoints", "membership_change_requested",
-    "request_membership_change", "request_stop", "set_checkpoint_listener", "set_default_checkpointing",
-    "set_resume_listener",
+    "CheckpointConfig", "CheckpointCorrupt", "CheckpointError", "CheckpointLeaseLost", "CheckpointRefused",
+    "ElasticSampler", "ElasticStream", "ObjectState", "State", "StateError", "TorchState", "TrainingStopped",
+    "flush_checkpoints",
 ]

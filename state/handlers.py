@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .sampler import ElasticSampler
-from .stream import ElasticStream
+from .samplers.sampler import ElasticSampler
+from .samplers.stream import ElasticStream
 from .snapshot import SnapshotBuffer, copy_tree
 
 

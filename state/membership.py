@@ -5,7 +5,7 @@ when the driver decides something about the current ring: re-form at the next
 commit (a worker joins, a node drains), also write that commit durably
 (``persist``), or stop at it (``stop``: the job ends). At its next ``commit()``
 every rank learns of it in the same small collective and raises
-:class:`elastic_ring.MembershipChanged` or :class:`TrainingStopped`.
+:class:`elastic_ring.MembershipChanged` or :class:`~state.errors.TrainingStopped`.
 
 Every notice names the round it is for. A commit looks only at notices for
 the ring's current round and consumes them; a notice for an older round is
@@ -20,13 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import elastic_ring as er
-
-
-class TrainingStopped(Exception):
-    """Raised by ``commit()`` on every rank when the job was asked to stop (e.g. the
-    driver got SIGTERM): the commit is complete and, with checkpoints enabled,
-    durable. The elastic loop lets it through; the worker runtime ends quietly."""
+from elastic_ring.ring import runtime
 
 
 @dataclass(frozen=True)
@@ -48,7 +42,7 @@ _notices: dict[int, Notice] = {}
 
 
 def _current_round() -> int:
-    comm = er.runtime.current_or_none()
+    comm = runtime.current_or_none()
     return comm.spec.round_id if comm is not None else 0
 
 

@@ -63,7 +63,3 @@ def copy_tree(tree: Any) -> Any:
     """An independent deep copy (tensors cloned, plain values deep-copied)."""
     return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x), tree)
 
-
-def tree_nbytes(tree: Any) -> int:
-    """Bytes of every tensor in ``tree``."""
-    return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor))

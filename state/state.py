@@ -24,7 +24,6 @@ Attributes are read and assigned as plain attributes: ``state.epoch += 1``.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
@@ -32,28 +31,24 @@ import torch
 
 import elastic_ring as er
 from elastic_ring.collectives import join as _join
+from elastic_ring.core import timeline
 from elastic_ring.core.log import get_logger
 
 from . import membership
-from .checkpoint_errors import CheckpointError
-from .checkpoint_policy import CheckpointConfig
-from .checkpoint_store import CheckpointStore
-from .checkpoint_writer import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
+from .checkpoints.background import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
+from .checkpoints.config import CheckpointConfig, default_checkpointing
+from .checkpoints.store import CheckpointStore
+from .errors import CheckpointError, TrainingStopped
 from .handlers import OptimizerHandler, handler_for
 from .recovery import CONSISTENT, DIRTY, Mode, RankStatus, SyncDecision, decide_sync, failure_trust
-from .sampler import ElasticSampler
+from .samplers.sampler import ElasticSampler
+from .samplers.stream import ElasticStream
 from .step_link import StepLink, is_distributed_optimizer
-from .stream import ElasticStream
 
 #: The positions a State links to its optimizer's steps and re-cuts at every re-form.
 _POSITIONS = (ElasticSampler, ElasticStream)
 
 _log = get_logger(__name__)
-
-#: Checkpointing that every new State of this process gets (set by the worker
-#: runtime from ElasticTrainer's checkpoint options), so users write no code for it.
-_default_checkpointing: CheckpointConfig | None = None
-
 
 #: Called with the checkpoint's info when a State resumes from one (the worker
 #: runtime forwards it to the driver's result.events).
@@ -66,11 +61,6 @@ def set_resume_listener(listener: Callable[[dict], None] | None) -> None:
     _resume_listener = listener
 
 
-def default_checkpointing() -> CheckpointConfig | None:
-    """The checkpointing States of this process get by default (:func:`set_default_checkpointing`), or None."""
-    return _default_checkpointing
-
-
 def _on_joined_commit_answer(values: list[int]) -> None:
     """On a rank waiting in ``er.join()`` that answered the others' ``State.commit`` agreement: raise what they
     raise (``TrainingStopped`` / ``MembershipChanged``), so the joined rank leaves for the next ring with them
@@ -79,19 +69,11 @@ def _on_joined_commit_answer(values: list[int]) -> None:
     if changed or stop:
         membership.clear_membership_change()
         if stop:
-            raise membership.TrainingStopped("the job was asked to stop (at a commit of the ranks with data)")
+            raise TrainingStopped("the job was asked to stop (at a commit of the ranks with data)")
         raise er.MembershipChanged("the ring's membership changes at a commit of the ranks with data")
 
 
 _join.add_answer_listener("State.commit", _on_joined_commit_answer)
-
-
-def set_default_checkpointing(config: CheckpointConfig | None) -> None:
-    """Make every State created afterwards in this process persist with ``config`` (None: off)."""
-    global _default_checkpointing
-    if config is not None and not isinstance(config, CheckpointConfig):
-        raise TypeError(f"expected a CheckpointConfig or None, got {type(config).__name__}")
-    _default_checkpointing = config
 
 
 class State:
@@ -112,8 +94,9 @@ class State:
         for name, value in values.items():
             setattr(self, name, value)
         self._relink()
-        if _default_checkpointing is not None:
-            self.enable_checkpoints(**dataclasses.asdict(_default_checkpointing))
+        default = default_checkpointing()  # the worker runtime's (state.checkpoints.config.set_default_checkpointing)
+        if default is not None:
+            self._use_checkpointing(default)
 
     # ------------------------------------------------------------ attributes
     def __getattr__(self, name: str) -> Any:
@@ -166,7 +149,7 @@ class State:
         """At a step boundary the ring agreed on (a driver notice waits): the commit's agreement, then
         MembershipChanged or TrainingStopped on every rank. The state is snapshotted only when the notices
         ask for a durable write (a drain, a stop): a join's re-form hands over the live state, not a copy."""
-        with er.timeline.span("boundary", "state", step=self._applied()):
+        with timeline.span("boundary", "state", step=self._applied()):
             changed, persist, stop = self._agree_notices()
             if not (changed or stop):
                 return
@@ -204,7 +187,7 @@ class State:
 
     def commit(self) -> None:
         """Snapshot the state, persist it if due, and check for a membership change."""
-        with er.timeline.span("commit", "state", commit=self._commits + 1):
+        with timeline.span("commit", "state", commit=self._commits + 1):
             self._take_commit()
             self._maybe_persist()
             self.check_membership()
@@ -251,7 +234,7 @@ class State:
                 if uri is not None:
                     _log.info("persisted %s", uri)
         if stop:
-            raise membership.TrainingStopped("the job was asked to stop; this commit is the last")
+            raise TrainingStopped("the job was asked to stop; this commit is the last")
         raise er.MembershipChanged("the ring's membership changes at this commit")
 
     @property
@@ -261,7 +244,7 @@ class State:
 
     def restore(self) -> None:
         """Put back the last commit (local; no communication)."""
-        with er.timeline.span("restore", "state"):
+        with timeline.span("restore", "state"):
             if self._snapshot is None:
                 raise RuntimeError("restore() before any commit or sync: there is nothing to restore to")
             for name, handler in self._handlers.items():
@@ -299,7 +282,7 @@ class State:
     def sync(self, root_rank: int | None = None) -> None:
         """Give every rank the job's state: the newest whole live state, the newest commit, or (on a job's
         first sync) the initial or resumed state; ``root_rank`` forces the root. Then commit locally."""
-        with er.timeline.span("sync", "state"):
+        with timeline.span("sync", "state"):
             self._relink()
             self._fit_samplers()
             statuses = self._statuses()
@@ -308,7 +291,7 @@ class State:
             else:
                 decision = SyncDecision(root_rank, Mode.LIVE if statuses[root_rank].holds else Mode.FRESH)
             root = decision.root
-            er.timeline.instant("sync_decision", "state", mode=decision.mode.value, root=root)
+            timeline.instant("sync_decision", "state", mode=decision.mode.value, root=root)
             if er.rank() == root:
                 if decision.mode is Mode.ROLLBACK:
                     self.restore()
@@ -371,9 +354,13 @@ class State:
         (an absolute path or fsspec URL); keep the newest ``keep_last``. Only rank 0 writes, in the
         background. See :class:`CheckpointConfig` for ``run_id``, ``trusted``, ``max_consecutive_failures``
         and ``signing_key``."""
-        config = CheckpointConfig(uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last,
-                                  run_id=run_id, trusted=trusted, max_consecutive_failures=max_consecutive_failures,
-                                  signing_key=signing_key)
+        self._use_checkpointing(CheckpointConfig(
+            uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last, run_id=run_id,
+            trusted=trusted, max_consecutive_failures=max_consecutive_failures, signing_key=signing_key))
+
+    def _use_checkpointing(self, config: CheckpointConfig) -> None:
+        # config.lease_generation is not passed to the store yet: state checkpoints are fenced by the lease's
+        # generation from issue 32 on (CheckpointStore(..., lease_generation=config.lease_generation))
         store = CheckpointStore(config.uri, keep_last=config.keep_last, run_id=config.run_id, trusted=config.trusted,
                                 signing_key=config.signing_key)
         object.__setattr__(self, "_checkpoint", config)

@@ -38,8 +38,8 @@ import torch
 from elastic_ring.core.log import get_logger
 
 from . import membership
-from .sampler import ElasticSampler
-from .stream import ElasticStream
+from .samplers.sampler import ElasticSampler
+from .samplers.stream import ElasticStream
 
 _log = get_logger(__name__)
 

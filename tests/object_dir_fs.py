@@ -1,7 +1,7 @@
 """``objdir://``: a real local directory that the checkpoint code treats as an object store.
 
 Its protocol names no ``file``, so ``Location.local`` is False: the lease there is the generation
-protocol of object stores (``state/lease_object_store.py``), on real files, in real processes (a
+protocol of object stores (``state/checkpoints/lease_object_store.py``), on real files, in real processes (a
 subprocess imports this module to register it). Conditional creates are ``O_EXCL`` opens;
 parent directories appear on write, as prefixes do."""
 

@@ -11,6 +11,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 import elastic_ring as er
+from elastic_ring.core import allocator
 from state import ElasticSampler, TorchState
 
 N_SAMPLES = 48
@@ -207,7 +208,7 @@ def train_global_batch(config: dict):
 def allocator_probe(config: dict):
     """Whether the worker tuned glibc's allocator, and :func:`gradient_churn_faults` in the worker."""
     er.rank()  # join the ring: the driver counts a worker as started when it asks for its first ring
-    return {"applied": er.allocator.applied(), "faults": gradient_churn_faults()}
+    return {"applied": allocator.applied(), "faults": gradient_churn_faults()}
 
 
 def gradient_churn_faults() -> int:

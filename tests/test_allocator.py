@@ -17,9 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CHURN = """
 import sys
-import elastic_ring as er
+from elastic_ring.core import allocator
 from tests.ray_jobs import gradient_churn_faults
-tuned = er.allocator.tune() if sys.argv[1] == "1" else False
+tuned = allocator.tune() if sys.argv[1] == "1" else False
 print(tuned, gradient_churn_faults())
 """
 

@@ -12,6 +12,9 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.ring.store import StoreServer
+from elastic_ring.collectives import objects as object_collectives
+from elastic_ring.ring import runtime
 from elastic_ring.core import auth
 from elastic_ring.core.errors import AuthenticationError
 
@@ -50,7 +53,7 @@ def test_secrets_are_checked(secret):
 
 @pytest.fixture
 def store_pair():
-    server = er.StoreServer("127.0.0.1")
+    server = StoreServer("127.0.0.1")
     rogue = dist.TCPStore("127.0.0.1", server.address.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
     genuine = auth.AuthenticatedStore(server.connect(5.0), SECRET, forged_grace_s=1.0)
@@ -109,12 +112,12 @@ def _sum_of_ranks():
 
 def _tampered_broadcast(marker_path):
     if er.rank() == 0:  # this root seals with a secret that is not the job's: a stranger on the wire
-        real = er.object_collectives.seal
-        er.object_collectives.seal = lambda key, *a: real(b"x" * 32, *a)
+        real = object_collectives.seal
+        object_collectives.seal = lambda key, *a: real(b"x" * 32, *a)
         try:
             er.broadcast_object(Planted(marker_path))
         finally:
-            er.object_collectives.seal = real
+            object_collectives.seal = real
         return "sent"
     try:
         er.broadcast_object(None)
@@ -133,12 +136,12 @@ def test_tampered_broadcast_object_is_refused_on_the_receiver(ring, tmp_path):
 
 def _tampered_allgather(marker_path):
     if er.rank() == 1:
-        real = er.object_collectives.seal
-        er.object_collectives.seal = lambda key, *a: real(b"y" * 32, *a)
+        real = object_collectives.seal
+        object_collectives.seal = lambda key, *a: real(b"y" * 32, *a)
         try:
             return _gather(Planted(marker_path))
         finally:
-            er.object_collectives.seal = real
+            object_collectives.seal = real
     return _gather(er.rank())
 
 
@@ -159,15 +162,15 @@ def test_tampered_allgather_object_is_refused(ring, tmp_path):
 
 def _replayed_payload():
     """A genuine payload of one broadcast replayed into the next one is refused (names bind the sequence)."""
-    comm = er.runtime.current()
+    comm = runtime.current()
     if er.rank() == 0:
         first = auth.seal(comm.auth_key, "payload", f"{comm.payload_name('broadcast_object')}/from0", b"x")
-        real = er.object_collectives.seal
-        er.object_collectives.seal = lambda *a: first
+        real = object_collectives.seal
+        object_collectives.seal = lambda *a: first
         try:
             er.broadcast_object("next")
         finally:
-            er.object_collectives.seal = real
+            object_collectives.seal = real
         return "sent"
     comm.payload_name("broadcast_object")
     try:

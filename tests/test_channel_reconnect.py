@@ -9,6 +9,8 @@ import threading
 import pytest
 
 import elastic_ring as er
+from elastic_ring.ring.store import StoreServer
+from elastic_ring.ring import store as ring_store
 from elastic_ring.core.auth import new_secret
 from ray_integration.wire.channel import Channel
 
@@ -66,7 +68,7 @@ class Relay:
 
 @pytest.fixture
 def relay():
-    server = er.StoreServer("127.0.0.1")
+    server = StoreServer("127.0.0.1")
     r = Relay(server.address)
     yield server, r
     r.close()
@@ -79,7 +81,7 @@ def test_a_broken_connection_is_replaced_on_the_next_send_and_receive(relay):
     through = er.StoreAddress("127.0.0.1", r.port)
 
     def connect():
-        return er.store.connect(through, 5.0)
+        return ring_store.connect(through, 5.0)
 
     worker = Channel(connect(), secret, "w1", connect=connect)
     driver = Channel(server.connect(5.0), secret, "driver")
@@ -101,7 +103,7 @@ def test_a_broken_connection_is_replaced_on_the_next_send_and_receive(relay):
 def test_without_a_way_to_reconnect_the_error_is_raised_naming_what_failed(relay):
     server, r = relay
     through = er.StoreAddress("127.0.0.1", r.port)
-    worker = Channel(er.store.connect(through, 5.0), new_secret(), "w1")
+    worker = Channel(ring_store.connect(through, 5.0), new_secret(), "w1")
     r.cut()
     with pytest.raises((RuntimeError, OSError), match="sending hb to q/driver failed after 6 attempts"):
         for seq in range(1, 3):   # the first push may vanish into the broken connection; the next one fails

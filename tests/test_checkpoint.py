@@ -12,8 +12,9 @@ import uuid
 import pytest
 import torch
 
-from state import CheckpointConfig, CheckpointError, CheckpointStore
-from state.checkpoint_writer import BackgroundWriter
+from state import CheckpointConfig, CheckpointError
+from state.checkpoints.background import BackgroundWriter
+from state.checkpoints.store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

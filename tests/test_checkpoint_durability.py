@@ -14,7 +14,8 @@ import tracemalloc
 import pytest
 import torch
 
-from state import CheckpointError, CheckpointStore
+from state import CheckpointError
+from state.checkpoints.store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -161,13 +162,13 @@ def test_fsync_order_data_then_manifest_then_directories(tmp_path, monkeypatch):
 
 PRUNE_KILLER = textwrap.dedent('''
     import os, signal, sys, torch
-    from state import CheckpointStore
+    from state.checkpoints.store import CheckpointStore
     store = CheckpointStore(sys.argv[1], keep_last=1, run_id="run-k")
-    real = store._remove_dir
+    real = store.writer._remove_dir
     def die_after_unpublishing(seq):  # the manifest of `seq` is gone; its data not yet
         print("KILLING", seq, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    store._remove_dir = die_after_unpublishing
+    store.writer._remove_dir = die_after_unpublishing
     store.save({"model": {"w": torch.full((1000,), 3.0)}, "step": 3})
 ''')
 

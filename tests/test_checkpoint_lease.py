@@ -19,12 +19,14 @@ import uuid
 import pytest
 import torch
 
-from state import CheckpointError, CheckpointLease, CheckpointStore
-from state.checkpoint_errors import CheckpointLeaseLost
-from state.checkpoint_io import Location
-from state.checkpoint_lease import read_holder
-from state.lease_file import FileLease
-from state.lease_object_store import ObjectStoreLease
+from state import CheckpointError
+from state.checkpoints.lease import CheckpointLease
+from state.checkpoints.lease import read_holder
+from state.checkpoints.lease_file import FileLease
+from state.checkpoints.lease_object_store import ObjectStoreLease
+from state.checkpoints.store import CheckpointStore
+from state.checkpoints.transport import Location
+from state.errors import CheckpointLeaseLost
 from tests.object_dir_fs import object_uri
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +35,9 @@ TTL = 2.0
 JOB = textwrap.dedent('''
     import sys, time, torch
     import tests.object_dir_fs  # registers objdir://
-    from state import CheckpointLease, CheckpointStore, CheckpointError
+    from state import CheckpointError
+    from state.checkpoints.lease import CheckpointLease
+    from state.checkpoints.store import CheckpointStore
     uri, run_id, mode, ttl = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     wait = float(sys.argv[5]) if len(sys.argv) > 5 else None
     started = time.monotonic()

@@ -10,7 +10,9 @@ import fsspec
 import pytest
 import torch
 
-from state import CheckpointError, CheckpointLease, CheckpointStore
+from state import CheckpointError
+from state.checkpoints.lease import CheckpointLease
+from state.checkpoints.store import CheckpointStore
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_corrupt_object_falls_back_and_a_write_error_names_the_location(location
                                               r"checkpoint 2 is still the newest"):
         store.save({"step": 3})
     monkeypatch.undo()
-    assert store._sequences() == [1, 2]  # the failed claim was removed
+    assert store.writer.sequences() == [1, 2]  # the failed claim was removed
 
 
 def test_lease_on_an_object_store(location):

@@ -2,8 +2,9 @@
 
 import pytest
 
-from state import CheckpointConfig, check_checkpoint_uri
-from state.checkpoint_policy import Entry, next_sequence, parse_checkpoint_dir, plan_prune
+from state import CheckpointConfig
+from state.checkpoints.config import check_checkpoint_uri
+from state.checkpoints.policy import Entry, by_age, next_sequence, parse_checkpoint_dir, plan_prune
 
 
 @pytest.mark.parametrize("uri, normalized", [
@@ -36,6 +37,9 @@ def test_refused_locations_say_why_and_what_to_do(uri, message):
     (dict(uri="/x", every_s=1, max_consecutive_failures=0), "max_consecutive_failures=0"),
     (dict(uri="/x", every_s=True), "every_s=True"),
     (dict(uri="/x", every_n_commits=True), "every_n_commits=True"),
+    (dict(uri="/x", every_s=1, lease_generation=0), "lease_generation=0"),
+    (dict(uri="/x", every_s=1, lease_generation=True), "lease_generation=True"),
+    (dict(uri="/x", every_s=1, lease_generation="3"), "lease_generation='3'"),
 ])
 def test_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
@@ -93,6 +97,15 @@ def test_plan_prune_never_deletes_the_new_checkpoint_nor_newer_ones():
             kept_complete = [e.seq for e in entries if e.complete and e.seq <= newest and e.seq not in doomed
                              and (lease or e.run_id == "me")]
             assert newest in kept_complete and len(kept_complete) <= keep_last
+
+
+@pytest.mark.parametrize("entries, oldest_first", [
+    ([], []),
+    ([Entry(3), Entry(1), Entry(2)], [1, 2, 3]),
+    ([Entry(1), Entry(2, complete=False), Entry(4)], [1, 4]),  # incomplete: never the newest, never kept
+])
+def test_by_age_is_the_one_order_of_checkpoints(entries, oldest_first):
+    assert [e.seq for e in by_age(entries)] == oldest_first
 
 
 @pytest.mark.parametrize("existing, seq", [([], 1), ([1, 2, 3], 4), ([7], 8), ([2, 9, 4], 10)])

@@ -9,7 +9,8 @@ import pathlib
 import pytest
 import torch
 
-from state import CheckpointError, CheckpointRefused, CheckpointStore, ElasticSampler
+from state import CheckpointError, CheckpointRefused, ElasticSampler
+from state.checkpoints.store import CheckpointStore
 
 
 class Malicious:

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from state import CheckpointError, CheckpointStore, ObjectState, TorchState, flush_checkpoints, set_checkpoint_listener
-from state import checkpoint_writer
-from state.checkpoint_writer import BackgroundWriter
+from state import CheckpointError, ObjectState, TorchState, flush_checkpoints
+from state.checkpoints import hooks as checkpoint_writer
+from state.checkpoints.background import BackgroundWriter
+from state.checkpoints.hooks import set_checkpoint_listener
+from state.checkpoints.store import CheckpointStore
 
 _rounds = itertools.count(1000)
 

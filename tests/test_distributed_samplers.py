@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.ring.distributed_samplers import (DistributedSamplerInTraining, allow_epoch_restart, retarget,
                                                retarget_reachable)
 from state import ElasticSampler, ObjectState, TorchState
@@ -228,8 +229,8 @@ def _same_split_job(host, port, job):
             model(x.float().unsqueeze(1)).sum().backward()
             optimizer.step()
             if not failed:
-                failed.append(er.runtime.round_id())
-                er.runtime.abort_round(failed[0], "injected: the round is lost, nobody died")
+                failed.append(runtime.round_id())
+                runtime.abort_round(failed[0], "injected: the round is lost, nobody died")
         return "finished"
 
     return loop(state)

@@ -10,13 +10,13 @@ import time
 
 import torch
 
-import elastic_ring as er
+from elastic_ring.core import timeline
 import ray_integration.horovod as hvd
 
 
 def _record(first: str, second: str):
     hvd.init()
-    before = er.timeline.is_enabled()
+    before = timeline.is_enabled()
     hvd.start_timeline(first, mark_cycles=True)
     hvd.allreduce(torch.ones(3), name="test_allreduce")
     hvd.broadcast(torch.ones(2), root_rank=1)
@@ -32,7 +32,7 @@ def _record(first: str, second: str):
             hvd.start_timeline(bad)
         except ValueError as exc:
             errors.append(str(exc)[:40])
-    return before, er.timeline.is_enabled(), errors, stopped_us
+    return before, timeline.is_enabled(), errors, stopped_us
 
 
 def _events(path: pathlib.Path) -> list[dict]:
@@ -60,16 +60,16 @@ def test_start_and_stop_timeline_write_rank_0s_collectives_as_a_chrome_trace(rin
 
 def _record_while_the_job_records(path: str):
     hvd.init()
-    er.timeline.enable()  # as ElasticTrainer(timeline_path=...) does
-    er.timeline.drain()
+    timeline.enable()  # as ElasticTrainer(timeline_path=...) does
+    timeline.drain()
     try:
         hvd.start_timeline(path)
         hvd.allreduce(torch.ones(3), name="shared")
         hvd.stop_timeline()
-        still_on = er.timeline.is_enabled()
-        job_events, _ = er.timeline.drain()
+        still_on = timeline.is_enabled()
+        job_events, _ = timeline.drain()
     finally:
-        er.timeline.disable()
+        timeline.disable()
     return still_on, sum(1 for e in job_events if e.get("cat") == "collective")
 
 

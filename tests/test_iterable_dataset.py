@@ -13,7 +13,7 @@ import torch
 
 import elastic_ring as er
 from state import ElasticSampler, TorchState
-from state.stream import ElasticStream
+from state.samplers.stream import ElasticStream
 from tests.local_rendezvous import StoreRendezvous
 
 N_ITEMS, EPOCHS, BATCH, K = 53, 3, 2, 7

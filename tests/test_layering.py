@@ -117,10 +117,9 @@ def test_no_import_cycles_even_through_imports_inside_functions():
 #: never from one above; imports inside functions and under ``if TYPE_CHECKING:`` count too.
 LAYERS = ("core", "backends", "ring", "reduction", "collectives")
 #: The modules of elastic_ring outside the layers, above all of them (no layer imports them): the package
-#: itself (``import elastic_ring as er`` re-exports the layers' public names), ``shadowing`` (standard
-#: library only; state/ and ray_integration/ load it by file path) and ``nccl_communicator`` (an alias of
-#: ``backends.nccl.communicator``, the module's old path).
-OUTSIDE_LAYERS = {"elastic_ring", "elastic_ring.shadowing", "elastic_ring.nccl_communicator"}
+#: itself (``import elastic_ring as er`` re-exports the layers' public names) and ``shadowing`` (standard
+#: library only; state/ and ray_integration/ load it by file path).
+OUTSIDE_LAYERS = {"elastic_ring", "elastic_ring.shadowing"}
 
 
 def layer(module: str) -> int | None:
@@ -180,14 +179,72 @@ def test_elastic_ring_layers_import_only_downward():
                         + "\n  ".join(upward))
 
 
-def test_the_old_er_module_names_still_work():
-    import elastic_ring as er
-    from elastic_ring.nccl_communicator import shared_gpu_env
+# ------------------------------------------------------------------ state's parts (issue 31)
+#: What each part of state may import of state. The core (the modules at state's root) may import anything of
+#: state; the sub-packages never import the core, only the leaf modules named here (which import nothing of state).
+#: Imports inside functions and under ``if TYPE_CHECKING:`` count too.
+STATE_RULES = {
+    "state.samplers": ("state.samplers",),
+    "state.checkpoints": ("state.checkpoints", "state.errors", "state.snapshot"),
+    "state.errors": (),
+    "state.snapshot": (),
+}
 
-    for name in ("allocator", "auth", "elastic", "object_collectives", "progress", "runtime", "store", "timeline"):
-        assert type(getattr(er, name)).__name__ == "module", name
-    assert callable(er.report) and callable(shared_gpu_env)
-    assert sys.modules["elastic_ring.nccl_communicator"] is sys.modules["elastic_ring.backends.nccl.communicator"]
+
+def state_rule(module: str) -> tuple[str, ...] | None:
+    """The parts of state that ``module`` may import (module or package names), None for anything of state."""
+    for part, allowed in STATE_RULES.items():
+        if module == part or module.startswith(part + "."):
+            return allowed
+    return None
+
+
+def allowed_in_state(module: str, target: str) -> bool:
+    allowed = state_rule(module)
+    return allowed is None or any(target == a or target.startswith(a + ".") for a in allowed)
+
+
+def test_state_rule_table():
+    assert state_rule("state.samplers.stream") == ("state.samplers",) and state_rule("state.state") is None
+    assert allowed_in_state("state.state", "state.checkpoints.store")  # the core imports its sub-packages
+    assert allowed_in_state("state.checkpoints.background", "state.snapshot")
+    assert allowed_in_state("state.checkpoints.sequenced", "state.checkpoints.lease")
+    assert not allowed_in_state("state.checkpoints.reported", "state.state")  # never the core
+    assert not allowed_in_state("state.samplers.sampler", "state.membership")
+    assert not allowed_in_state("state.samplers.sampler", "state.checkpoints.config")
+    assert not allowed_in_state("state.errors", "state.checkpoints.faults")  # a leaf imports nothing of state
+    assert state_rule("state.checkpoints_old") is None  # a part is a package and what is inside it, not a prefix
+
+
+def state_imports() -> list[tuple[str, str, int]]:
+    """(importing module, imported state module or package, line) for every import in state, wherever it is."""
+    paths = {_module_name(p): p for p in (ROOT / "state").rglob("*.py")}
+    found = []
+    for module, path in sorted(paths.items()):
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            found += [(module, t, node.lineno) for t in targets if t.startswith("state.")]
+    return found
+
+
+def test_state_parts_import_only_what_their_rule_allows():
+    found = state_imports()
+    assert ("state.state", "state.checkpoints.store") in {(m, t) for m, t, _ in found}  # the check sees the graph
+    bad = [f"{module}, line {line}, imports {target} (allowed: {', '.join(state_rule(module)) or 'nothing of state'})"
+           for module, target, line in found if not allowed_in_state(module, target)]
+    assert not bad, ("state's sub-packages never import its core (state.state and the other root modules), only "
+                     "their own modules and the leaves state.errors / state.snapshot; move the code down, or "
+                     "pass what it needs in:\n  " + "\n  ".join(bad))
 
 
 # ------------------------------------------------------------------ ray_integration's sub-packages (issue 31)

@@ -31,6 +31,7 @@ import uuid
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from state import ElasticSampler, TorchState
 from tests.chaos.invariant_job import DIM, N_SAMPLES, expected_w, sample_vector
 from tests.local_rendezvous import StoreRendezvous
@@ -71,7 +72,7 @@ def _job(host, port, job, scenario, worlds):
                 ((holder.w * vectors[idx].sum(0)).sum() + (holder.count * hits).sum()).backward()
                 if at_k and scenario == "split" and first_rank == 1:
                     opt.synchronize()                  # the reduction completes everywhere ...
-                    er.runtime.current().abort()       # ... then this rank's ring breaks before it applies
+                    runtime.current().abort()       # ... then this rank's ring breaks before it applies
                     exc = er.CommError("injected: the ring broke after the reduction, before the apply")
                     exc.live_state_consistent = True
                     raise exc

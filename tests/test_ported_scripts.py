@@ -24,7 +24,7 @@ from ray.train import RunConfig, ScalingConfig
 
 from examples import horovod_elastic_mnist, ray_train_fashion_mnist
 from ray_integration import ElasticTrainer, RunFailed, WorkerError, load_checkpoint
-from state import ReportedCheckpoints
+from state.checkpoints.reported import ReportedCheckpoints
 
 KILL = (1, 1, 6)  # (round, rank, step): rank 1 of the first ring, right after its 6th optimizer step
 

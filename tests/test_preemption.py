@@ -101,7 +101,7 @@ def sigterm_then_resume(job, mode: str, resume: bool = True) -> dict:
     assert line, stdout[-2000:]
     stopped = json.loads(line[0][len("STOPPED "):])
     stopped_at = int(job["progress"].read_text().split()[0])
-    from state import CheckpointStore
+    from state.checkpoints.store import CheckpointStore
 
     saved, info = CheckpointStore(job["ckpt"]).load_latest()
     assert saved["step"] == stopped_at  # the final commit was written: nothing trained is lost
@@ -127,8 +127,8 @@ def test_the_trainer_holds_its_checkpoint_location_for_lease_ttl_s(tmp_path):
     """The trainer's lease is built with its lease_ttl_s option (on an object store a successor of a run that
     died takes over after that much silence; on a file system the OS frees a dead run's lock at once)."""
     from ray_integration import ElasticTrainer
-    from state.checkpoint_lease import read_holder
-    from state.checkpoint_io import Location
+    from state.checkpoints.lease import read_holder
+    from state.checkpoints.transport import Location
 
     lease = ElasticTrainer(checkpoint_uri=str(tmp_path / "ckpt"), lease_ttl_s=7)._lease("job-ttl")
     try:

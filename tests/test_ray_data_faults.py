@@ -21,6 +21,7 @@ import ray.exceptions
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from ray_integration import data
 from ray_integration.data import BlockSpan, ElasticDataShard, PreparedDataset, block_digest
 from ray_integration.data import prepare as prepare_module
@@ -117,7 +118,7 @@ def test_a_shard_iterated_in_a_ring_without_a_state_warns_once(monkeypatch):
     optimizer = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     TorchState(model=model, optimizer=optimizer, sampler=linked)
     TorchState(model=model, sampler=held).commit()  # a State without an optimizer: its commits save the position
-    monkeypatch.setattr(er.runtime, "current_or_none", lambda: object())  # inside a ring
+    monkeypatch.setattr(runtime, "current_or_none", lambda: object())  # inside a ring
     with pytest.warns(RuntimeWarning, match=r"'train' is iterated in a ring, but no State holds its position"):
         unheld.iter_batches(batch_size=4)
     with warnings.catch_warnings():

@@ -15,7 +15,11 @@ import state
 from ray_integration import ElasticTrainer, Result, load_checkpoint
 from ray_integration.train import get_checkpoint, get_context, report
 from ray_integration.config import TrainerConfig
-from state import CheckpointError, CheckpointLease, CheckpointRefused, CheckpointStore, ReportedCheckpoints
+from state import CheckpointError, CheckpointRefused
+from state.checkpoints.config import set_default_checkpointing
+from state.checkpoints.lease import CheckpointLease
+from state.checkpoints.reported import ReportedCheckpoints
+from state.checkpoints.store import CheckpointStore
 
 
 # ---------------------------------------------------------------- configs
@@ -185,7 +189,7 @@ def test_another_runs_lease_refuses_the_write_and_forged_paths_are_refused(tmp_p
 
 
 def test_report_outside_a_run_checks_its_arguments(tmp_path):
-    state.set_default_checkpointing(None)
+    set_default_checkpointing(None)
     with pytest.raises(TypeError, match=r"^report\(metrics=\.\.\.\) must be a dict of str"):
         report([1.0])
     with pytest.raises(TypeError, match=r"^report\(metrics=\{'w\[1\]': \.\.\.\}\) got a Tensor.*float\(t\)"):
@@ -208,16 +212,17 @@ def test_report_accepts_what_ray_train_accepts(monkeypatch):
     import numpy as np
 
     import elastic_ring as er
+    from elastic_ring.ring.report import set_reporter
 
     records = []
-    er.set_reporter(records.append)
+    set_reporter(records.append)
     try:
         report({"loss": 0.5, "epoch": 1})  # numbers and strings: er.report's path
         report({"val_loss": None, "hist": [1, 2.5, None], "per_class": {"cat": {"f1": 0.9}}, "n": np.int64(3),
                 "pair": (1, "a")})
         report({})
     finally:
-        er.set_reporter(None)
+        set_reporter(None)
     assert records[0]["loss"] == 0.5 and records[0]["rank"] == 0 and "time" in records[0]
     second = records[1]
     assert second["val_loss"] is None and second["hist"] == [1, 2.5, None]
@@ -239,7 +244,7 @@ def test_get_dataset_shard_takes_ray_trains_keyword():
 
 def test_report_then_get_checkpoint_in_one_process(tmp_path):
     uri = str(tmp_path / "loc")
-    state.set_default_checkpointing(state.CheckpointConfig(uri, every_s=300, keep_last=2))
+    set_default_checkpointing(state.CheckpointConfig(uri, every_s=300, keep_last=2))
     try:
         assert get_checkpoint() is None
         report({"loss": 0.5}, checkpoint=Checkpoint.from_directory(write_dir(tmp_path / "a", {"m.pt": b"one"})))
@@ -254,7 +259,7 @@ def test_report_then_get_checkpoint_in_one_process(tmp_path):
         assert second.path != first.path and open(os.path.join(second.path, "m.pt"), "rb").read() == b"two"
         assert get_context().get_experiment_name() == "loc" and get_context().get_storage_path() == uri
     finally:
-        state.set_default_checkpointing(None)
+        set_default_checkpointing(None)
 
 
 # ---------------------------------------------------------------- Result and load_checkpoint

@@ -22,9 +22,9 @@ import time
 
 import pytest
 
-from state import ReportedCheckpoints
-from state.lease_file import LOCK_NAME, read_record
-from state.checkpoint_io import Location
+from state.checkpoints.lease_file import LOCK_NAME, read_record
+from state.checkpoints.reported import ReportedCheckpoints
+from state.checkpoints.transport import Location
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "ray_train_resume_job.py"

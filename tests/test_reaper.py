@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.backends import reaper
 from elastic_ring.core.ops import ReduceOp
 
@@ -107,7 +108,7 @@ def test_a_gloo_group_is_destroyed_on_a_reaper_thread_when_its_round_ends():
 
 def _abort_while_peer_waits():
     """Rank 1 aborts its ring while rank 0 is blocked in an allreduce that rank 1 never joins."""
-    comm = er.runtime.current()
+    comm = runtime.current()
     if comm.rank == 1:
         time.sleep(0.5)  # rank 0 is inside its allreduce by now
         comm.abort()

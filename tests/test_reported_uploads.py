@@ -20,9 +20,12 @@ from ray.train import Checkpoint, CheckpointUploadMode
 import state
 from ray_integration import load_checkpoint
 from ray_integration.train import get_checkpoint, report
-from state import CheckpointError, CheckpointLease, ReportedCheckpoints
-from state import reported_uploads
-from state.reported_checkpoints import with_lease_generation
+from state import CheckpointError
+from state.checkpoints import uploads as reported_uploads
+from state.checkpoints.config import set_default_checkpointing
+from state.checkpoints.hooks import set_checkpoint_listener
+from state.checkpoints.lease import CheckpointLease
+from state.checkpoints.reported import ReportedCheckpoints
 
 
 def write_dir(path, files: dict[str, bytes]) -> str:
@@ -38,8 +41,8 @@ def location(tmp_path):
     """A run's location as the worker runtime sets it, a listener collecting the events; everything reset after."""
     uri = str(tmp_path / "loc")
     events: list[dict] = []
-    state.set_default_checkpointing(state.CheckpointConfig(uri, every_s=300, keep_last=3, run_id="run-a"))
-    state.set_checkpoint_listener(events.append)
+    set_default_checkpointing(state.CheckpointConfig(uri, every_s=300, keep_last=3, run_id="run-a"))
+    set_checkpoint_listener(events.append)
     try:
         yield uri, events
     finally:
@@ -47,8 +50,8 @@ def location(tmp_path):
             state.flush_checkpoints(30)
         except CheckpointError:
             pass  # a test's failing upload
-        state.set_default_checkpointing(None)
-        state.set_checkpoint_listener(None)
+        set_default_checkpointing(None)
+        set_checkpoint_listener(None)
         reported_uploads._uploads.clear()
 
 
@@ -232,18 +235,18 @@ def test_a_lease_lost_during_the_upload_unpublishes_nothing_half_written(tmp_pat
 
 
 def test_the_lease_generation_travels_with_the_checkpoint_config():
+    import dataclasses
     import pickle
 
-    config = with_lease_generation(state.CheckpointConfig("/tmp/x", every_s=5, run_id="r"), 4)
+    config = state.CheckpointConfig("/tmp/x", every_s=5, run_id="r", lease_generation=4)  # a declared field now
     again = pickle.loads(pickle.dumps(config))
-    from state.reported_checkpoints import lease_generation
-
-    assert lease_generation(again) == 4 and again == config and lease_generation(state.CheckpointConfig(
-        "/tmp/x", every_s=5)) is None
-    state.set_default_checkpointing(again)
+    assert again.lease_generation == 4 and again == config and state.CheckpointConfig(
+        "/tmp/x", every_s=5).lease_generation is None
+    assert dataclasses.asdict(config)["lease_generation"] == 4  # asdict no longer drops it
+    set_default_checkpointing(again)
     try:
-        assert state.State(x=1)._checkpoint == config  # a State built from it takes its fields only
+        assert state.State(x=1)._checkpoint == config  # a State built from it keeps every field
     finally:
-        state.set_default_checkpointing(None)
+        set_default_checkpointing(None)
     with pytest.raises(ValueError, match="generation"):
-        with_lease_generation(config, 0)
+        dataclasses.replace(config, lease_generation=0)

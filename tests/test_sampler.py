@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from fractions import Fraction
 
 from state import ElasticSampler
-from state.sampler_layout import micro_batches, micro_step_sizes, share, step_sizes
+from state.samplers.sampler_layout import micro_batches, micro_step_sizes, share, step_sizes
 
 
 @pytest.mark.parametrize(
@@ -141,6 +141,8 @@ def test_record_past_the_end_says_what_to_do():
 
 def test_sampler_publishes_progress_for_logs_and_reports():
     import elastic_ring as er
+    from elastic_ring.core.progress import set_progress
+    from elastic_ring.ring.report import set_reporter
     from elastic_ring.core import progress
     from elastic_ring.core.log import identity
 
@@ -156,14 +158,14 @@ def test_sampler_publishes_progress_for_logs_and_reports():
     s.load_state_dict(saved)  # a restore puts the committed position back
     assert progress.current() == {"step": 3, "epoch": 0, "samples": 30}
     records = []
-    er.set_reporter(records.append)
+    set_reporter(records.append)
     try:
         er.report(loss=0.5)
     finally:
-        er.set_reporter(None)
+        set_reporter(None)
     assert records[0]["step"] == 3 and records[0]["samples"] == 30 and records[0]["loss"] == 0.5
     with pytest.raises(ValueError, match="step=-1"):
-        er.set_progress(step=-1)
+        set_progress(step=-1)
 
 
 # ---------------------------------------------------------------- constant global batch

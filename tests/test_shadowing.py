@@ -3,7 +3,7 @@ usual one) fails the import at once with an error that names the file and the fi
 the Ray workers (real processes, real Ray).
 
 Without the check, ``from ray_integration import ElasticTrainer`` failed with ``No module named
-'state.checkpoint_policy'; 'state' is not a package``, and on Ray every worker failed that way.
+'state.checkpoints'; 'state' is not a package``, and on Ray every worker failed that way.
 """
 
 from __future__ import annotations

@@ -176,13 +176,14 @@ def test_persist_every_n_commits(solo_ring):
 
 def test_report_goes_to_the_installed_reporter(solo_ring):
     import elastic_ring as er
+    from elastic_ring.ring.report import set_reporter
 
     seen = []
-    er.set_reporter(seen.append)
+    set_reporter(seen.append)
     try:
         er.report(loss=0.5, epoch=1)
         with pytest.raises(TypeError, match="float\\(tensor\\)"):
             er.report(loss=torch.tensor(1.0))
     finally:
-        er.set_reporter(None)
+        set_reporter(None)
     assert len(seen) == 1 and seen[0]["loss"] == 0.5 and seen[0]["rank"] == 0 and seen[0]["world_size"] == 1

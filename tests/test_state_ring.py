@@ -8,7 +8,8 @@ import uuid
 import torch
 
 import elastic_ring as er
-from state import ElasticSampler, TorchState, request_membership_change
+from state import ElasticSampler, TorchState
+from state.membership import request_membership_change
 from tests.local_rendezvous import StoreRendezvous
 
 
@@ -67,7 +68,8 @@ def test_membership_change_raises_on_every_rank_at_the_same_commit(ring):
 
 
 def _membership_change_reaches_a_joined_rank(stop: bool):
-    from state import TrainingStopped, request_stop
+    from state import TrainingStopped
+    from state.membership import request_stop
 
     state = TorchState(step=0)
     if er.rank() == 2:  # out of data: waits in join() while the others commit

@@ -4,7 +4,8 @@
 import torch
 
 import elastic_ring as er
-from state import ElasticSampler, TorchState, membership, request_membership_change
+from state import ElasticSampler, TorchState, TrainingStopped, membership
+from state.membership import request_membership_change
 
 
 def _linked(batch=2, n=60, **sampler_options):
@@ -38,7 +39,7 @@ def _notice_at(flag_rank, flag_step, kind):
             state.sampler.record_batch()
     except er.MembershipChanged:
         raised = "changed"
-    except membership.TrainingStopped:
+    except TrainingStopped:
         raised = "stopped"
     return raised, state.sampler.step, opt.applied_steps, log_collectives, state.commits
 

@@ -71,7 +71,7 @@ def test_stop_from_another_thread_returns_a_stopped_result_with_the_checkpoint(r
     assert time.monotonic() - asked < 10
     assert result.stopped and not result.completed and not result.forced, result
     assert result.stop_reason == "maintenance" and result.value is None and result.checkpoint_error is None
-    from state import CheckpointStore
+    from state.checkpoints.store import CheckpointStore
 
     saved, info = CheckpointStore(str(tmp_path / "ckpt")).load_latest()
     assert result.checkpoint_uri == info["uri"]  # the stop's final commit, written durably (no cadence write was due)

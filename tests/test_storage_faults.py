@@ -29,10 +29,14 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from state import CheckpointError, CheckpointLease, CheckpointStore, flush_checkpoints, set_checkpoint_listener
-from state import checkpoint_writer
-from state.checkpoint_errors import CheckpointLeaseLost, is_transient
-from state.checkpoint_writer import BackgroundWriter
+from state import CheckpointError, flush_checkpoints
+from state.checkpoints import hooks as checkpoint_writer
+from state.checkpoints.background import BackgroundWriter
+from state.checkpoints.faults import is_transient
+from state.checkpoints.hooks import set_checkpoint_listener
+from state.checkpoints.lease import CheckpointLease
+from state.checkpoints.store import CheckpointStore
+from state.errors import CheckpointLeaseLost
 
 RUN = "run-faults"
 

@@ -163,7 +163,7 @@ def test_drain_below_min_workers_persists_a_checkpoint_first(cluster, tmp_path):
     thread.join(120)
     assert not thread.is_alive()
     assert isinstance(box.get("error"), RunFailed) and "below min_workers=2" in str(box["error"])
-    from state import CheckpointStore
+    from state.checkpoints.store import CheckpointStore
 
     saved, info = CheckpointStore(ckpt).load_latest()
     assert saved["step"] >= step   # the drain commit was written durably before the ring shrank

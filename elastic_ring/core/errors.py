@@ -3,20 +3,25 @@
 Two of them drive the elastic loop, Horovod-style:
 
 * :class:`CommError` -- a collective failed (a peer died, a timeout, a broken
-  connection). The ring is unusable; the elastic loop *rolls back* to the last
-  commit, re-forms the ring and carries on.
-* :class:`MembershipChanged` -- the membership changed at a commit (a worker
-  joins or leaves gracefully). The state is consistent; the elastic loop
-  re-forms the ring *without* rolling back.
+  connection). The ring is unusable; the elastic loop re-forms it, and the next
+  sync chooses between continuing from the newest *whole live state* of a
+  survivor (no rollback: at most the step in flight is redone) and *rolling
+  back* to the last commit, when no survivor's live state can be trusted (see
+  docs/architecture.md's failure model).
+* :class:`MembershipChanged` -- the membership changes at a commit or a step
+  boundary (a worker joins or leaves gracefully). The state is whole; the
+  elastic loop re-forms the ring *without* rolling back.
 
-The others are user errors that a new ring would not fix.
+:class:`RingStopped` ends this process's part quietly; the others are errors
+that a new ring would not fix. The packages built on elastic_ring derive their
+own root errors from :class:`ElasticRingError`.
 """
 
 from __future__ import annotations
 
 
 class ElasticRingError(Exception):
-    """Base class of every error raised by elastic_ring."""
+    """Base class of every error raised by elastic_ring (and of the root errors of the packages built on it)."""
 
 
 class CommError(ElasticRingError):

@@ -33,6 +33,7 @@ import torch
 import elastic_ring as er
 from elastic_ring.core.log import get_logger
 from elastic_ring.core.validation import check_int
+from elastic_ring.ring import runtime
 from state import ElasticSampler
 
 from . import convert
@@ -312,7 +313,7 @@ class ElasticDataShard(ElasticSampler):
 
     def _check_held(self) -> None:
         """Warn once when iterated in a ring without a State holding the position (it would not survive a failure)."""
-        if self._warned_unheld or self._held_by_state or er.runtime.current_or_none() is None:
+        if self._warned_unheld or self._held_by_state or runtime.current_or_none() is None:
             return
         self._warned_unheld = True
         warnings.warn(

@@ -6,7 +6,7 @@ files and CI). ``True``: always the bar. ``False``: nothing.
 
 Shown: step, epoch, loss (when reported), world size and samples per second.
 Step, epoch and samples come with every record when the job uses
-``ElasticSampler`` (or calls ``er.set_progress``); samples/s is the change of
+``ElasticSampler`` (or calls ``elastic_ring.core.progress.set_progress``); samples/s is the change of
 ``samples`` over the last :data:`RATE_WINDOW_S` seconds, so a rollback or a
 resize shows up in it at once.
 """

@@ -29,9 +29,10 @@ import torch
 import elastic_ring as er
 import state as _state
 from elastic_ring.core.validation import check_int, is_int
+from elastic_ring.ring import runtime
 from elastic_ring.ring.elastic import run
 from state.handlers import StateDictHandler
-from state.sampler import check_sampler_args
+from state.samplers.sampler import check_sampler_args
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 
@@ -74,7 +75,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Split the epoch's unprocessed indices over the current ring (``er.rank()`` / ``er.size()``)."""
-        comm = er.runtime.current_or_none()
+        comm = runtime.current_or_none()
         self.rank, self.num_replicas = (comm.rank, comm.size) if comm is not None else (0, 1)
         order = self._permutation()
         remaining = order[~self._processed[order]]

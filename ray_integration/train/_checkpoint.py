@@ -19,10 +19,12 @@ import threading
 from typing import Any
 
 from elastic_ring.core.log import get_logger
-from state import CheckpointError, CheckpointRefused, CheckpointStore
-from state.checkpoint_io import Location
-from state.checkpoint_policy import parse_checkpoint_dir
-from state.reported_checkpoints import FILES, SUBDIR, ReportedCheckpoints, default_config, manifest_digest, verify_local
+from state import CheckpointError, CheckpointRefused
+from state.checkpoints.config import default_checkpointing as default_config
+from state.checkpoints.policy import parse_checkpoint_dir
+from state.checkpoints.reported import FILES, SUBDIR, ReportedCheckpoints, manifest_digest, verify_local
+from state.checkpoints.store import CheckpointStore
+from state.checkpoints.transport import Location
 
 _log = get_logger(__name__)
 

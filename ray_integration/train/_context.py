@@ -5,7 +5,8 @@ from __future__ import annotations
 import posixpath
 
 import elastic_ring as er
-from state.reported_checkpoints import default_config
+from elastic_ring.ring import runtime as ring_runtime
+from state.checkpoints.config import default_checkpointing as default_config
 
 
 class TrainContext:
@@ -26,7 +27,7 @@ class TrainContext:
     def get_node_rank(self) -> int:
         """The index of this worker's node among the ring's nodes (in rank order: rank 0's node is 0)."""
         er.size()  # forms the ring if it is not formed yet
-        spec = er.runtime.current().spec
+        spec = ring_runtime.current().spec
         nodes = list(dict.fromkeys(spec.node_ids))
         return nodes.index(spec.node_ids[spec.rank])
 

@@ -3,7 +3,7 @@
 The metrics reach the driver's ``Result`` (rank 0's), by the same path as ``er.report``. A checkpoint
 (``ray.train.Checkpoint.from_directory(d)``) is copied into a local snapshot at once (``d`` may go or be reused
 when ``report`` returns) and uploaded by rank 0 in the background into the run's location as a reported
-checkpoint (:mod:`state.reported_uploads`, :mod:`state.reported_checkpoints`): the other ranks never wait for it.
+checkpoint (:mod:`state.checkpoints.uploads`, :mod:`state.checkpoints.reported`): the other ranks never wait for it.
 ``state.flush_checkpoints`` (when ``fn`` returns, at a stop or a drain) waits for the uploads. Other ranks'
 checkpoints are not uploaded (a warning, once).
 """
@@ -20,8 +20,8 @@ from elastic_ring.core import progress
 from elastic_ring.core.log import get_logger
 from elastic_ring.ring import report as ring_report
 from elastic_ring.ring import runtime as ring_runtime
-from state.reported_checkpoints import default_config, lease_generation
-from state.reported_uploads import uploads_for
+from state.checkpoints.config import default_checkpointing as default_config
+from state.checkpoints.uploads import uploads_for
 
 from ._checkpoint import ray_checkpoint_class
 
@@ -58,7 +58,7 @@ def report(metrics: dict, checkpoint: Any = None, *, checkpoint_upload_mode: Any
         rank = _rank()
         if rank == 0:
             uploads = uploads_for(config.uri, config.keep_last, run_id=config.run_id, signing_key=config.signing_key,
-                                  lease_generation=lease_generation(config),
+                                  lease_generation=config.lease_generation,
                                   max_consecutive_failures=config.max_consecutive_failures)
             uploads.submit(directory, metrics)
             if sync:

@@ -21,7 +21,14 @@ from typing import Any, Callable
 
 import elastic_ring as er
 import state as state_pkg
+from state import membership
+from elastic_ring.core import allocator, progress, timeline
+from elastic_ring.ring import runtime
+from elastic_ring.ring.report import set_reporter
 from elastic_ring.ring.store import connect
+from state.checkpoints.config import set_default_checkpointing
+from state.checkpoints.hooks import set_checkpoint_listener
+from state.state import set_resume_listener
 
 from elastic_ring.core.log import get_logger
 
@@ -135,9 +142,9 @@ class RingWorker:
 
     def _flush_timeline(self) -> None:
         """Send the timeline events recorded since the last flush to the driver."""
-        if not er.timeline.is_enabled():
+        if not timeline.is_enabled():
             return
-        events, dropped = er.timeline.drain()
+        events, dropped = timeline.drain()
         if events or dropped:
             self._send.send(self._keys.driver_inbox, WorkerKind.TIMELINE, host=self.hostname, events=events, dropped=dropped)
 
@@ -149,7 +156,7 @@ class RingWorker:
     def abort_ring(self, round_id: int, why: str) -> None:
         """The driver declared a member of round ``round_id`` lost: a collective or a formation of that round
         that waits on it fails now (instead of at its timeout), and the elastic loop re-forms."""
-        er.runtime.abort_round(round_id, why)
+        runtime.abort_round(round_id, why)
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "node_id": self.node_id, "hostname": self.hostname,
@@ -163,20 +170,19 @@ class RingWorker:
         self._rendezvous = WorkerRendezvous(self._send, self._receive, self._keys, self.worker_id, self._secret,
                                             settings.driver_silence_s)
         er.elastic.set_rendezvous(self._rendezvous)
-        er.set_reporter(self._report)
-        state_pkg.membership.reset()
-        state_pkg.set_default_checkpointing(settings.checkpoint)
-        state_pkg.set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, WorkerKind.RESUMED,
-                                                                   info=info))
-        state_pkg.set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
-                                                                        event=event))
+        set_reporter(self._report)
+        membership.reset()
+        set_default_checkpointing(settings.checkpoint)
+        set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, WorkerKind.RESUMED, info=info))
+        set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
+                                                              event=event))
         data_input.install(settings.datasets)  # ElasticTrainer(datasets=...): get_dataset_shard(name) in fn
         self._flush_timeout_s = settings.flush_timeout_s
         if settings.tune_allocator:
-            er.allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
-        er.progress.clear()
+            allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
+        progress.clear()
         if settings.timeline:
-            er.timeline.enable()
+            timeline.enable()
         if settings.use_gpu:
             import torch
 
@@ -231,7 +237,7 @@ class RingWorker:
 
     def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False) -> None:
         """A notice from the driver about round ``round_id`` (re-form / persist / stop at its next commit)."""
-        state_pkg.membership.post(state_pkg.membership.Notice(round_id, change, persist, stop))
+        membership.post(membership.Notice(round_id, change, persist, stop))
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

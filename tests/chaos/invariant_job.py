@@ -56,6 +56,7 @@ import time
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from state import ElasticSampler, TorchState
 
 N_SAMPLES = 96
@@ -68,14 +69,14 @@ def _arm_formation_fault() -> None:
     """Make this process die at the start of its next ring formation (the runtime's communicator factory)."""
     global _FORMATION_ARMED
     _FORMATION_ARMED = True
-    create = er.runtime._create
+    create = runtime._create
 
     def dying_create(spec, *args, **kwargs):
         if _FORMATION_ARMED:
             _die()
         return create(spec, *args, **kwargs)
 
-    er.runtime._create = dying_create
+    runtime._create = dying_create
 
 
 def sample_vector(i: int) -> torch.Tensor:

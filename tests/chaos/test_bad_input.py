@@ -11,7 +11,8 @@ import pytest
 
 from ray_integration import ElasticTrainer, WorkerError
 from ray_integration.driver import states as driver_mod
-from state import CheckpointError, CheckpointStore
+from state import CheckpointError
+from state.checkpoints.store import CheckpointStore
 from tests import ray_jobs
 from tests.chaos import bad_jobs
 

@@ -105,7 +105,7 @@ def stop_then_resume(paths, name: str) -> dict:
     assert ended - signaled < 15, ended - signaled
     assert "SIGTERM received: training stopped at a commit" in out.stderr and "is saved as" in out.stderr, \
         out.stderr[-3000:]
-    from state import CheckpointStore
+    from state.checkpoints.store import CheckpointStore
 
     saved, _ = CheckpointStore(paths["ckpt"]).load_latest()
     assert saved["step"] > 0
@@ -137,7 +137,7 @@ def test_a_writer_error_then_sigterm_exits_within_seconds_saying_so(scenario):
     assert out.returncode != 0 and ended - signaled < 15, (out.returncode, ended - signaled, out.stderr[-3000:])
     assert "SIGTERM received, but the job could not stop cleanly" in out.stderr, out.stderr[-3000:]
     assert "Flaky cannot be saved" in out.stderr and "newest durable checkpoint" in out.stderr, out.stderr[-3000:]
-    from state import CheckpointStore
+    from state.checkpoints.store import CheckpointStore
 
     saved, info = CheckpointStore(scenario["ckpt"], trusted=True).load_latest()  # the previous one, intact
     assert 0 < saved["step"] <= 18, saved["step"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from state import ElasticSampler, TorchState
 
 N_SAMPLES = 32
@@ -45,7 +46,7 @@ def train_on_gpu(config: dict):
         params = er.allgather_object([p.detach().cpu() for p in model.parameters()])
         identical = all(torch.equal(a, b) for other in params for a, b in zip(params[0], other))
         return {"device": str(device), "expected_device": expected_device,
-                "comm_device": str(er.runtime.current().device), "param_device": str(next(model.parameters()).device), "seen": state.seen.cpu().tolist(),
+                "comm_device": str(runtime.current().device), "param_device": str(next(model.parameters()).device), "seen": state.seen.cpu().tolist(),
                 "identical": identical, "world": er.size(), "step": state.step}
 
     return loop(state)

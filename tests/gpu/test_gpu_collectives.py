@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.core.ops import ReduceOp
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +24,7 @@ def _values(rank, dtype, shape, seed):
 
 
 def _device():
-    return er.runtime.current().device
+    return runtime.current().device
 
 
 def _reductions(seed):
@@ -141,7 +142,7 @@ def _objects_and_barrier():
 
 def _communicator_direct():
     """The communicator's own collectives, which the public API skips at world size 1."""
-    comm = er.runtime.current()
+    comm = runtime.current()
     n, r, dev = comm.size, comm.rank, comm.device
     y = torch.full((8,), float(r + 1), device=dev)
     comm.allreduce(y, ReduceOp.SUM).wait()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.core.ops import ReduceOp
 from tests.process_ring import TEST_SECRET, RankFailure
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _sum_of_ranks():
-    comm = er.runtime.current()
+    comm = runtime.current()
     x = torch.full((1000,), float(comm.rank + 1), device=comm.device)
     return er.allreduce(x, op=er.Sum)[0].item(), str(comm.device)
 
@@ -27,7 +28,7 @@ def _sum_of_ranks():
 def _allreduce_until_error(flag_dir, mib, synchronize, give_up_s=120.0):
     """Allreduce ``mib`` MiB in a loop until a CommError; with ``synchronize``, block in
     torch.cuda.synchronize() before each wait, like a state snapshot does."""
-    comm = er.runtime.current()
+    comm = runtime.current()
     x = torch.ones(mib << 18, device=comm.device)
     flag, done = pathlib.Path(flag_dir, f"looping{comm.rank}"), pathlib.Path(flag_dir, f"done{comm.rank}")
     started, synced_at, i = time.time(), None, 0
@@ -127,7 +128,7 @@ def _close_then_abort():
     nccl_handle.abort = lambda *a, **k: calls.append("abort") or real_abort(*a, **k)
     torch.cuda.empty_cache = lambda: calls.append("empty_cache") or real_empty()
     try:
-        comm = er.runtime.current()
+        comm = runtime.current()
         _sum_of_ranks()
         started = time.monotonic()
         er.shutdown()  # a healthy round ends: finalize, then destroy

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +43,7 @@ def _reference(kind, n, steps, passes, device):
 
 def _distributed(kind, steps, passes, threshold, compression_name):
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference and the ring must compute alike
-    n, r, device = er.size(), er.rank(), er.runtime.current().device
+    n, r, device = er.size(), er.rank(), runtime.current().device
     model = _model(device)
     opt = er.DistributedOptimizer(_optimizer(kind, model.parameters()), model.named_parameters(),
                                   backward_passes_per_step=passes, fusion_threshold_bytes=threshold,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.backends.nccl import lib as nccl_lib
 from elastic_ring.core.ops import ReduceOp
 from tests.gpu.test_gpu_failures import _allreduce_until_error, _wait_for
@@ -106,13 +107,13 @@ def test_a_lost_peer_means_a_full_init_and_its_replacement_joins_by_grow_where_n
 
 
 def _leave():
-    er.runtime.current().abort()  # leaves without a finalize, after its peers moved on (a stopped worker finalizes)
+    runtime.current().abort()  # leaves without a finalize, after its peers moved on (a stopped worker finalizes)
     er.shutdown()
     return True
 
 
 def _sum_after_init():
-    comm = er.runtime.current()
+    comm = runtime.current()
     x = torch.full((8,), float(comm.rank + 1), device=comm.device)
     return {"sum": er.allreduce(x, op=er.Sum)[0].item()}
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from state import TorchState
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +38,7 @@ def _leaves(state):
 
 
 def _sync_keeps_devices():
-    comm = er.runtime.current()
+    comm = runtime.current()
     device = comm.device
     state = _build(comm.rank, device)
     before = [(name, kind) for name, kind, _ in _leaves(state)]

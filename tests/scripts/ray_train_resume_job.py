@@ -48,7 +48,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=ray_temp_dir,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     lease_log = LeaseRecords()
-    logger = logging.getLogger("state.lease_file")
+    logger = logging.getLogger("state.checkpoints.lease_file")
     logger.setLevel(logging.INFO)
     logger.addHandler(lease_log)
 

@@ -12,7 +12,7 @@ with lockd), so the lock holds across nodes; a holder whose node died keeps it u
 lease on that client expires (NFSv4: 90 s by default). A mount with ``nolock`` or ``local_lock=``
 keeps locks local to each node: two drivers on two nodes may then both take the lock. The holder's
 watcher thread notices that another run rewrote the record and :meth:`FileLease.check` raises
-:class:`~state.checkpoint_errors.CheckpointLeaseLost` (``taken_over``), so one of them stops.
+:class:`~state.errors.CheckpointLeaseLost` (``taken_over``), so one of them stops.
 A file system without ``flock`` is refused with an error saying so (never a silent soft lock).
 """
 
@@ -30,10 +30,10 @@ import filelock
 
 from elastic_ring.core.log import get_logger
 
-from .checkpoint_errors import CheckpointError, CheckpointLeaseLost, is_transient
-from .checkpoint_errors import describe as _describe
+from ..errors import CheckpointError, CheckpointLeaseLost
+from .faults import backoff_delay, is_transient
+from .faults import describe as _describe
 from .lease_base import DEFAULT_TTL_S, LeaseBase, in_use_error
-from .checkpoint_policy import backoff_delay
 
 _log = get_logger(__name__)
 

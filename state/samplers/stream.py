@@ -3,7 +3,7 @@
 A stream has no length and no index, so it cannot be split the way :class:`~state.ElasticSampler`
 splits a dataset. Instead every rank reads the *same* stream, and each optimizer step consumes the
 next ``world * batch_size`` items of it, rank ``r`` taking its contiguous share (the layout of
-:mod:`state.sampler_layout`: a tail smaller than one step is folded into the last step). The
+:mod:`state.samplers.sampler_layout`: a tail smaller than one step is folded into the last step). The
 position is one integer, ``processed`` (items of the epoch consumed by the whole ring), so a
 resize re-cuts the rest of the epoch exactly, and the state links it to the optimizer's steps as it
 links a sampler (:mod:`state.step_link`)::
@@ -50,6 +50,7 @@ import torch
 from torch.utils.data import default_collate
 
 import elastic_ring as er
+from elastic_ring.core.progress import set_progress
 from elastic_ring.core.validation import check_bool, check_int
 
 from elastic_ring.core.log import get_logger
@@ -120,7 +121,7 @@ class ElasticStream:
             self._on_repartition()
 
     def _publish(self) -> None:
-        er.set_progress(step=self.step, epoch=self.epoch, samples=self.processed)
+        set_progress(step=self.step, epoch=self.epoch, samples=self.processed)
 
     def set_epoch(self, epoch: int) -> None:
         """Go to ``epoch``: the current one keeps its progress, a later one starts a new pass of the dataset."""

@@ -1,7 +1,7 @@
-"""Durable checkpoints: the self-validating config and the pure decisions (where, what to prune).
-
-Everything here is a plain function of its arguments (no I/O), tested with tables
-in ``tests/test_checkpoint_policy.py``.
+"""The configuration of durable checkpoints: the self-validating :class:`CheckpointConfig`, the checks of a location
+(:func:`check_checkpoint_uri`) and of a signing key, and this process's default (:func:`set_default_checkpointing`:
+the worker runtime installs ElasticTrainer's, and every new ``State`` takes it). No I/O but the registry lookup of
+:func:`check_protocol_available`; tested with tables in ``tests/test_checkpoint_policy.py``.
 """
 
 from __future__ import annotations
@@ -12,15 +12,8 @@ from dataclasses import dataclass, field
 
 #: Consecutive failed writes after which the next ``commit()`` raises (CheckpointConfig default).
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 3
-#: Seconds a checkpoint write is retried after its first transient storage error (ENOSPC, EIO, a timeout...)
-#: before it counts as failed: a full disk for 9 s heals within one write, and with the default
-#: ``max_consecutive_failures`` a run stops only after about 90 s of storage failing without a break.
-DEFAULT_WRITE_RETRY_S = 30.0
-#: The first pause between two attempts of a failing write, doubled after each failure up to the second.
-WRITE_RETRY_FIRST_S, WRITE_RETRY_MAX_S = 0.2, 5.0
 
 _PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.DOTALL)
-_DIR = re.compile(r"^ckpt-(\d{12})$")
 
 
 def check_checkpoint_uri(uri: object, field: str = "checkpoint_uri") -> str:
@@ -81,7 +74,7 @@ class CheckpointConfig:
     (whichever comes first); keep the newest ``keep_last`` checkpoints.
 
     ``run_id`` names the run in every manifest (the driver passes its job id; the holder of the
-    location's :class:`~state.CheckpointLease` uses the same id). ``trusted``: load checkpoints with
+    location's :class:`~state.checkpoints.lease.CheckpointLease` uses the same id). ``trusted``: load checkpoints with
     full unpickling (custom classes); by default only tensors, numbers, strings, containers and the
     state of optimizers, LR schedulers and samplers load, and a checkpoint holding anything else is
     refused. ``max_consecutive_failures``: after that many failed writes in a row, the next
@@ -89,7 +82,9 @@ class CheckpointConfig:
     failed only once its retries, :data:`DEFAULT_WRITE_RETRY_S` by default, are spent).
     ``signing_key`` (optional, >= 16 bytes, kept out of repr): manifests are signed with HMAC-SHA256
     and only manifests signed with this key are loaded; it must outlive the run, since the next run
-    verifies this run's checkpoints with it."""
+    verifies this run's checkpoints with it. ``lease_generation`` (None, or an int >= 1): the generation of the
+    lease its run holds on ``uri`` (the driver's :class:`~state.checkpoints.lease.CheckpointLease`); a writer given
+    it publishes only while that generation is the location's current one (reported checkpoints use it today)."""
 
     uri: str
     every_n_commits: int | None = None
@@ -99,6 +94,7 @@ class CheckpointConfig:
     trusted: bool = False
     max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES
     signing_key: bytes | None = field(default=None, repr=False)
+    lease_generation: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "uri", check_checkpoint_uri(self.uri, "CheckpointConfig.uri"))
@@ -120,6 +116,7 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.max_consecutive_failures={self.max_consecutive_failures!r} "
                              "must be an int >= 1")
         check_signing_key(self.signing_key, "CheckpointConfig.signing_key")
+        check_lease_generation(self.lease_generation, "CheckpointConfig.lease_generation")
 
 
 def check_signing_key(key: object, field_name: str = "signing_key") -> None:
@@ -130,61 +127,32 @@ def check_signing_key(key: object, field_name: str = "signing_key") -> None:
                          f"e.g. os.environ['CKPT_KEY'].encode()); got {shown}")
 
 
+def check_lease_generation(generation: object, field_name: str = "lease_generation") -> None:
+    """None, or an int >= 1 (a lease's generation)."""
+    if generation is not None and (not _is_int(generation) or generation < 1):
+        raise ValueError(f"{field_name}={generation!r} must be None or an int >= 1 (the generation of the lease "
+                         "the run holds on the location)")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_checkpoint_dir(name: str) -> int | None:
-    """The sequence number of a checkpoint directory's base name (``ckpt-000000000007`` -> 7), else None.
-    Anchored: ``old-ckpt-000000000005`` or ``ckpt-000000000005.bak`` are not checkpoints."""
-    match = _DIR.match(name)
-    return int(match.group(1)) if match else None
+# ---------------------------------------------------------------- this process's default
+#: Checkpointing that every new State of this process gets (set by the worker runtime from ElasticTrainer's
+#: checkpoint options), so users write no code for it; ``report(checkpoint=...)`` uploads to its location too.
+_default: CheckpointConfig | None = None
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One checkpoint directory as pruning sees it: complete once its manifest exists."""
-
-    seq: int
-    run_id: str | None
-    complete: bool
-
-
-def plan_prune(entries: list[Entry], newest: int, run_id: str | None, keep_last: int,
-               lease_held: bool) -> list[int]:
-    """Sequence numbers to delete after checkpoint ``newest`` was written and verified.
-
-    * Never ``newest`` itself, and never anything newer (another writer's, possibly in flight).
-    * Candidates are this run's directories; with ``lease_held`` (the location's lease names this
-      run, so no other run is live) every run's.
-    * Among candidates up to ``newest``, the ``keep_last`` newest complete ones are kept; older
-      complete ones are deleted, and so are incomplete ones (failed writes, interrupted prunes).
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last={keep_last} must be >= 1")
-    candidates = [e for e in entries if e.seq <= newest and (lease_held or (run_id is not None and e.run_id == run_id))]
-    complete = sorted(e.seq for e in candidates if e.complete)
-    keep = set(complete[-keep_last:]) | {newest}
-    return sorted(e.seq for e in candidates if e.seq < newest and e.seq not in keep)
+def set_default_checkpointing(config: CheckpointConfig | None) -> None:
+    """Make every State created afterwards in this process persist with ``config`` (None: off)."""
+    global _default
+    if config is not None and not isinstance(config, CheckpointConfig):
+        raise TypeError(f"expected a CheckpointConfig or None, got {type(config).__name__}")
+    _default = config
 
 
-def backoff_delay(failures: int, first_s: float, max_s: float) -> float:
-    """Seconds to wait after the ``failures``-th failed attempt in a row (1, 2, ...): ``first_s`` doubled
-    each time, never above ``max_s``."""
-    if failures < 1:
-        raise ValueError(f"failures={failures} must be >= 1 (call it after a failed attempt)")
-    return min(max_s, first_s * 2.0 ** min(failures - 1, 60))
-
-
-def check_retry_budget(value: object, field_name: str = "retry_budget_s") -> float:
-    """``value`` as seconds >= 0 (0: no retries), or ValueError naming the field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
-        raise ValueError(f"{field_name}={value!r} must be seconds in [0, 3600]: how long a checkpoint write that "
-                         "fails with a transient storage error (full disk, I/O error, timeout) is retried; 0 retries "
-                         "nothing")
-    return float(value)
-
-
-def next_sequence(existing: list[int]) -> int:
-    """The sequence number to claim next: one past every directory seen (complete or not)."""
-    return max(existing, default=0) + 1
+def default_checkpointing() -> CheckpointConfig | None:
+    """The checkpointing this process was given (:func:`set_default_checkpointing`: location, keep_last, run id,
+    lease generation), or None when the run has no ``checkpoint_uri``."""
+    return _default

@@ -2,13 +2,13 @@
 
 ``CheckpointLease(uri, run_id)`` returns the kind of lease that the location's protocol needs:
 
-* a local or network file system (an absolute path, ``file://``): :class:`~state.lease_file.FileLease`,
+* a local or network file system (an absolute path, ``file://``): :class:`~state.checkpoints.lease_file.FileLease`,
   an OS lock (``filelock``, ``flock``) that the kernel releases when the holder process dies, with
   the holder's record in a file beside it;
 * anything else (``s3://``, ``gs://``, ``memory://``):
-  :class:`~state.lease_object_store.ObjectStoreLease`, generations renewed within ``ttl_s``.
+  :class:`~state.checkpoints.lease_object_store.ObjectStoreLease`, generations renewed within ``ttl_s``.
 
-Both have one interface (``state/lease_base.py``): ``acquire``, ``check``, ``renew``, ``release``,
+Both have one interface (``lease_base.py``): ``acquire``, ``check``, ``renew``, ``release``,
 ``held``, ``generation``, ``last_error``, ``failed_renewals`` and the context manager, and both are
 instances of :class:`CheckpointLease`. :func:`read_holder` returns the holder's record (``run_id``,
 ``host``, ``pid``, ``released``...) for either kind, from any process.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint_io import Location
-from .checkpoint_policy import check_checkpoint_uri
+from .transport import Location
+from .config import check_checkpoint_uri
 from .lease_base import DEFAULT_TTL_S, MAX_TTL_S, LeaseBase, uses_file_lock
 from .lease_file import FileLease, read_record
 from .lease_object_store import ObjectStoreLease, read_current

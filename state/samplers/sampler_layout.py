@@ -24,7 +24,7 @@ sizes per step; progress stays one integer.
 
 from __future__ import annotations
 
-import elastic_ring as er
+from elastic_ring.ring import runtime
 
 
 def step_sizes(remaining: int, world: int, batch_size: int) -> list[int]:
@@ -82,7 +82,7 @@ def micro_step_sizes(remaining: int, world: int, batch_size: int, global_batch_s
 def ring_position(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
     """``(rank, world)``: as given, else the current ring's (0 and 1 without a ring); checked."""
     if rank is None or world is None:
-        comm = er.runtime.current_or_none()
+        comm = runtime.current_or_none()
         rank, world = (comm.rank, comm.size) if comm is not None else (0, 1)
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is not in 0..{world - 1}")

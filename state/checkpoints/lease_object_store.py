@@ -19,7 +19,7 @@ over only after watching the file unchanged for at least that long. So a holder 
 holds a lease that a contender may already have taken, and a storage outage shorter than about
 ``0.75 * ttl_s`` (the renewal cadence and the retry pause eat the rest) never loses it. The holder
 also loses the lease, at its next renewal, when it finds a newer generation (it was taken over).
-:meth:`CheckpointLease.check` raises :class:`~state.checkpoint_errors.CheckpointLeaseLost`, which
+:meth:`CheckpointLease.check` raises :class:`~state.errors.CheckpointLeaseLost`, which
 says which case, for how long, and the last error.
 """
 
@@ -34,11 +34,11 @@ import time
 
 from elastic_ring.core.log import get_logger
 
-from .checkpoint_errors import CheckpointError, CheckpointLeaseLost, is_transient
-from .checkpoint_errors import describe as _describe
-from .checkpoint_io import Location
+from ..errors import CheckpointError, CheckpointLeaseLost
+from .faults import backoff_delay, is_transient
+from .faults import describe as _describe
 from .lease_base import DEFAULT_TTL_S, MAX_TTL_S, LeaseBase, in_use_error
-from .checkpoint_policy import backoff_delay
+from .transport import Location
 
 _log = get_logger(__name__)
 
@@ -104,9 +104,23 @@ class ObjectStoreLease(LeaseBase):
             return self._lost
 
     def _expired(self, silent: float) -> CheckpointLeaseLost:
-        writing = None if self._writing_since is None else time.monotonic() - self._writing_since
-        return CheckpointLeaseLost.expired(self.uri, self.run_id, self.ttl_s, silent, self._failing, self._last_error,
-                                           writing)
+        """No renewal succeeded for ``ttl_s``: ``_failing`` failed (the last with ``_last_error``), and a renewal
+        write may have been in flight since ``_writing_since``."""
+        writing_s = None if self._writing_since is None else time.monotonic() - self._writing_since
+        attempts = self._failing
+        error = _describe(self._last_error) if attempts and self._last_error is not None else None
+        detail = f"{attempts} renewal attempt(s) failed, the last with {error}" if attempts else "no renewal failed"
+        if writing_s is not None:
+            detail += f"; a renewal write has been in flight for {writing_s:.1f} s (storage slow or hanging)"
+        elif not attempts:
+            detail += ": this process or its renewal thread was paused"
+        return CheckpointLeaseLost(
+            f"this run {self.run_id!r} lost the lease on checkpoint location {self.uri}: the lease could not be "
+            f"renewed for {silent:.1f} s, its whole ttl_s of {self.ttl_s:g} s ({detail}), so another run may take the "
+            "location over now and this run must stop writing there. Fix the storage (space, permissions, "
+            "reachability), or give the lease a ttl_s (ElasticTrainer lease_ttl_s) longer than the outages it must "
+            "ride out, then run again to resume from the newest checkpoint", reason="expired", uri=self.uri,
+            run_id=self.run_id, silent_s=round(silent, 3), attempts=attempts, last_error=error)
 
     def _body(self, generation: int, released: bool = False) -> bytes:
         return json.dumps({"format": LEASE_FORMAT, "run_id": self.run_id, "generation": generation,
@@ -236,11 +250,19 @@ class ObjectStoreLease(LeaseBase):
                 self._last_renewed, self._failing = started, 0
 
     def _taken_over(self, generation: int, newest: int) -> CheckpointLeaseLost:
+        """Run ``other["run_id"]`` created generation ``newest`` above this run's ``generation``."""
         other = _parse(_read_raw(self.loc, newest)) or {}
         with self._state:
-            return self._set_lost(CheckpointLeaseLost.taken_over(
-                self.uri, self.run_id, generation, other, newest, time.monotonic() - self._last_renewed, self._failing,
-                self._last_error))
+            silent, attempts = time.monotonic() - self._last_renewed, self._failing
+            error = _describe(self._last_error) if attempts and self._last_error is not None else None
+            return self._set_lost(CheckpointLeaseLost(
+                f"this run {self.run_id!r} lost the lease on checkpoint location {self.uri} to run "
+                f"{other.get('run_id')!r} (host {other.get('host')}, pid {other.get('pid')}), which took it over as "
+                f"generation {newest} (this run held {generation}; its last successful renewal began {silent:.1f} s "
+                f"ago, {attempts} failed since, last error {error or 'none'}): the other run saw no renewal for its "
+                "ttl_s (this process paused, or storage unreachable from it). Stop this run: its checkpoints would "
+                "now mix with the other's", reason="taken_over", uri=self.uri, run_id=self.run_id,
+                silent_s=round(silent, 3), attempts=attempts, last_error=error, other_run=other.get("run_id")))
 
     def _renew_loop(self) -> None:
         delay = self.renew_every_s

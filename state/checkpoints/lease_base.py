@@ -10,9 +10,9 @@ from typing import Any
 
 from elastic_ring.core.log import get_logger
 
-from .checkpoint_errors import CheckpointError, CheckpointLeaseLost
-from .checkpoint_io import Location
-from .checkpoint_policy import check_checkpoint_uri
+from ..errors import CheckpointError, CheckpointLeaseLost
+from .transport import Location
+from .config import check_checkpoint_uri
 
 _log = get_logger(__name__)
 

@@ -23,8 +23,9 @@ TypeError: torch would yield batches of batches) and record each batch after tra
 Its state is tiny: ``epoch``, ``processed`` (how many positions of the
 epoch's permutation are done) and ``step`` (optimizer steps of the ring since
 the job began). It publishes them as this process's progress
-(:func:`elastic_ring.set_progress`: log lines and ``er.report`` records). After a restore or a resize the rest of the
-epoch is re-partitioned over the new ring (see :mod:`state.sampler_layout`).
+(:func:`elastic_ring.core.progress.set_progress`: log lines and ``er.report``
+records). After a restore or a resize the rest of the epoch is re-partitioned
+over the new ring (see :mod:`state.samplers.sampler_layout`).
 Every rank gets the same number of batches; the last batch of an epoch can be
 larger than ``batch_size`` (the tail is folded into it), and it is empty on
 some ranks only when fewer samples than ranks remain. All ranks must use the
@@ -67,6 +68,7 @@ import torch
 
 import elastic_ring as er
 
+from elastic_ring.core.progress import set_progress
 from elastic_ring.core.validation import check_bool, check_int, is_int
 
 import bisect
@@ -155,7 +157,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self._starts[k], self._starts[k + 1]
 
     def _publish(self) -> None:
-        er.set_progress(step=self.step, epoch=self.epoch, samples=self.epoch * self.num_samples + self.processed)
+        set_progress(step=self.step, epoch=self.epoch, samples=self.epoch * self.num_samples + self.processed)
 
     def set_epoch(self, epoch: int) -> None:
         """Go to ``epoch``: the current one keeps its progress, a later one starts from its beginning."""
