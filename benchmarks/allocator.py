@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from benchmarks._launch import run_ranks
-from benchmarks.step import WORKLOADS, _model
+from benchmarks.step import WORKLOADS, _model  # noqa: F401
 
 
 def _faults() -> int:
