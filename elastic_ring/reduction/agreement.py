@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from ..backends.base import Communicator
 from ..core.errors import CommError, TensorMismatchError
 from ..core.ops import ReduceOp

@@ -292,25 +292,6 @@ class GradReducer(BucketAdoption, StepAccounting, StepAgreement, JoinAnswering):
                 self._on_comm_error(exc)
                 raise
 
-    def _too_many_passes(self, i: int) -> RuntimeError:
-        return RuntimeError(
-            f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
-            f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
-            "or call step() after every backward pass"
-        )
-
-    def _count_ready(self, i: int, comm: Communicator) -> None:
-        self._touched = True
-        remaining = self._remaining[i] - 1
-        self._remaining[i] = remaining
-        if remaining < 0:
-            raise self._too_many_passes(i)
-        if remaining == 0:
-            self._unready -= 1
-            b = self._ready_one(i)
-            if b >= 0:
-                self._launch_ready(comm, b)
-
     def _start_check(self, comm: Communicator, helper: bool) -> None:
         """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the
         same step. With ``helper``, the answer is awaited on a helper thread (backward goes on meanwhile)."""
@@ -339,46 +320,6 @@ class GradReducer(BucketAdoption, StepAccounting, StepAgreement, JoinAnswering):
                                           comm.spec.collective_timeout_s + 10.0)
         else:
             self._check = check
-
-    def _launch_ready(self, comm: Communicator, complete: int = -1) -> None:
-        """Complete bucket ``complete`` (its countdown reached zero; -1: none), then launch, in order, every bucket
-        that is ready and allowed to go. Completing (adoption.py): the batched copy of its small gradients, then
-        the average's division, one ``div_`` over the bucket when every gradient already lives in its view."""
-        if complete >= 0:
-            copy_to = self._copy_to[complete]
-            if copy_to:
-                torch._foreach_copy_(copy_to, self._copy_from[complete])
-                copy_to.clear()
-                self._copy_from[complete].clear()
-            divisor = self._divisors[complete]
-            if divisor is not None:
-                if not self._divided[complete]:
-                    self._layout.buffers[complete].div_(divisor)
-                elif self._divide[complete]:
-                    torch._foreach_div_(self._divide[complete], divisor)
-            self._divide[complete].clear()
-        left = self._left
-        count = len(left)
-        while self._next < count and not left[self._next]:
-            b = self._next
-            if not self._verified and not self._deferred(comm):
-                if self._verdict is not None:  # the helper launches it once the answer is in
-                    if self._gated_since is None:
-                        self._gated_since = time.perf_counter()
-                    return
-                self._finish_check(comm)
-            if self._gated_since is not None:
-                self.first_bucket_delay_s += time.perf_counter() - self._gated_since
-                self._gated_since = None
-            layout = self._layout
-            wire = layout.wire_for(b, self._cast_divisors[b]) if layout.casts[b] else layout.wire[b]
-            if self._in_bucket and b == count - 1:
-                self._fill_trailer(layout)
-            if self._op is ReduceOp.AVERAGE or self._op is ReduceOp.SUM:
-                self._in_flight.append(self._path.launch(wire))
-            else:
-                self._in_flight.append(comm.allreduce(wire, self._op))
-            self._next = b + 1
 
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
