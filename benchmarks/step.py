@@ -31,7 +31,7 @@ parameter``. A last table splits the median step into forward, backward (DDP
 waits for its allreduces at the end of backward) and ``step()`` (ours waits
 for its buckets there).
 
-    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3] [--device cuda] [--ddp-probe] [--fixed] [--hotpath inline|thread]
+    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3] [--device cuda] [--ddp-probe] [--fixed] [--no-strict] [--hotpath inline thread]
 
 A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optimizer instead of DDP: the cost of wrapping.
 
@@ -39,8 +39,9 @@ A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optim
 process group, ours over elastic_ring's NCCL backend, both on NCCL's socket transport on loopback
 (``elastic_ring.backends.nccl.communicator.shared_gpu_env``; NCCL refuses two ranks of a ring on one GPU otherwise). Each step
 ends with ``torch.cuda.synchronize()``; the phase split is then host time (launches), not GPU time.
-``--hotpath MODE`` (CUDA) adds ``ours hot``: ours with the NCCL bucket path ``MODE`` (``inline`` or
-``thread``, see docs/gpu.md; the default path is today's), interleaved with the others.
+``--hotpath MODE...`` (CUDA) adds a column per mode, ``hot:inline`` and ``hot:thread``: ours with that NCCL
+bucket path (docs/gpu.md; ours without it takes the default path, today's), interleaved with the others.
+``--no-strict`` leaves the ``strict`` column out (a shorter run).
 
 ``--ddp-probe`` adds a copy: DDP plus one 48-byte MAX allreduce per step, read on the host after
 ``step()``, which is what our per-step check (alignment and the step's transaction vote) adds to a
@@ -72,7 +73,7 @@ from benchmarks._workloads import WORKLOADS, Workload, mlp, model_of, resnet18  
 _model = model_of  # the name other benchmarks import
 DEFAULT_ROWS = ["mlp4x1024@2", "mlp4x1024@3", "mlp10x2048@2", "resnet18@2"]
 PHASES = ("forward", "backward", "step")
-OURS_KINDS = ("ours", "aa", "strict", "fixed", "hot")
+OURS_KINDS = ("ours", "aa", "strict", "fixed", "hot:inline", "hot:thread")
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,9 @@ class Options:
     fixed_first: int | None = None
     device: str = "cpu"
     ddp_probe: bool = False
-    hotpath: str | None = None
+    hotpath: tuple[str, ...] = ()
     count_steps: int = 3
+    strict: bool = True
 
 
 def _noop() -> None:
@@ -173,12 +175,14 @@ def _methods(workload: Workload, world: int, dev: torch.device, cuda: bool, opts
     ddp_view = _ddp(fresh(), True, cuda) if world > 1 else fresh()
     local = fresh()
     methods = {"ddp": (ddp, sgd(ddp.parameters())), "ddp_view": (ddp_view, sgd(ddp_view.parameters())),
-               "ours": ours(), "aa": ours(), "strict": ours(strict_checks=True), "local": (local, sgd(local.parameters()))}
+               "ours": ours(), "aa": ours(), "local": (local, sgd(local.parameters()))}
+    if opts.strict:
+        methods["strict"] = ours(strict_checks=True)
     if opts.fixed:
         methods["fixed"] = ours(autotune=False, first_bucket_bytes=opts.fixed_first)
-    if opts.hotpath is not None:
-        methods["hot"] = ours()
-        methods["hot"][1]._er_reducer.bucket_mode = opts.hotpath
+    for mode in opts.hotpath:
+        methods[f"hot:{mode}"] = ours()
+        methods[f"hot:{mode}"][1]._er_reducer.bucket_mode = mode
     if opts.ddp_probe and world > 1:
         probed = _ddp(fresh(), False, cuda)
         methods["probe"] = (probed, _Probed(sgd(probed.parameters()), dev))
@@ -263,7 +267,7 @@ def _row(name: str, world: int, opts: Options) -> dict:
     ratio = med(ratios)
     flat = lambda blocks_: med([t for b in blocks_ for t in b]) * 1e3  # noqa: E731
     params = list(model_of(WORKLOADS[name]).parameters())
-    hot = ratio_of("hot")
+    hot = {key: ratio_of(key) for key in times if key.startswith("hot:")}
     return {"name": name, "world": world, "mib": sum(p.numel() for p in params) * 4 / 2**20, "params": len(params),
             "ddp_chosen": "view" if chosen == "ddp_view" else "default", "ddp_ms": flat(ddp_blocks),
             "ours_ms": flat(times["ours"]), "local_ms": flat(times["local"]),
@@ -271,7 +275,7 @@ def _row(name: str, world: int, opts: Options) -> dict:
             "ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios), "blocks": len(ratios),
             "aa_ratio": med(aa), "band": band, "verdict": _verdict.verdict(ratio, band),
             "strict_ratio": ratio_of("strict"), "fixed_ratio": ratio_of("fixed"), "probe_ratio": ratio_of("probe"),
-            "hot_ratio": hot, "hot_verdict": None if hot is None else _verdict.verdict(hot, band),
+            "hot": {key: (ratio, _verdict.verdict(ratio, band)) for key, ratio in hot.items()},
             "chosen": r0["chosen"], "tuning": r0["tuning"], "warmup": r0["warmup_steps"],
             "diff": max(r["max_param_diff"] for r in results), "phases": r0["phases"],
             "cpu_ms": {k: sum(r["cpu_s_per_step"][k] for r in results) * 1e3 for k in times},
@@ -293,14 +297,15 @@ def main() -> None:
                         help="also time DDP plus one 48-byte allreduce per step (what our per-step check adds)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: every rank on GPU 0, NCCL on both sides (socket transport on loopback)")
-    parser.add_argument("--hotpath", choices=("inline", "thread"), default=None,
-                        help="cuda: also time ours with this NCCL bucket path (docs/gpu.md)")
+    parser.add_argument("--hotpath", nargs="+", choices=("inline", "thread"), default=[],
+                        help="cuda: also time ours with these NCCL bucket paths (docs/gpu.md)")
+    parser.add_argument("--no-strict", action="store_true", help="leave out the strict_checks=True column")
     parser.add_argument("--count-steps", type=int, default=3, help="steps per method whose Python calls are counted")
     args = parser.parse_args()
     if args.device == "cuda":
         require_nccl(benchmark="benchmarks.step", why="--device cuda (ours over elastic_ring's NCCL)",
                      skip="--device cpu")
-    elif args.hotpath is not None:
+    elif args.hotpath:
         parser.error("--hotpath is a path of the NCCL backend: use it with --device cuda")
     if args.steps < 1 or args.blocks < 1 or args.count_steps < 1:
         parser.error("--steps, --blocks and --count-steps must be >= 1")
@@ -312,7 +317,8 @@ def main() -> None:
         specs.append((name, int(world)))
     opts = Options(steps=args.steps, blocks=args.blocks, fixed=args.fixed, max_warmup=args.max_warmup,
                    fixed_first=None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20),
-                   device=args.device, ddp_probe=args.ddp_probe, hotpath=args.hotpath, count_steps=args.count_steps)
+                   device=args.device, ddp_probe=args.ddp_probe, hotpath=tuple(args.hotpath), count_steps=args.count_steps,
+                   strict=not args.no_strict)
     rows: list[dict] = []
     for name, world in specs:  # a row that fails prints the tables of the rows before it, then the failure
         with Results("benchmarks.step").part(f"row {name}@{world}",

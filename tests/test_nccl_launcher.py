@@ -279,3 +279,114 @@ def test_a_group_of_launches_is_always_ended_and_reports_the_failing_call():
     handle.detach()
     with pytest.raises(NcclError, match="aborted or destroyed"):
         handle.call_group("allreduce", [(ok, ("a",))])
+
+
+# ---------------------------------------------------------------- the bucket paths on fake CUDA
+class FakeCuda:
+    """Streams and events that log what the bucket path asks of CUDA (on CPU tensors)."""
+
+    def __init__(self):
+        self.log = []
+        outer = self
+
+        class Event:
+            def __init__(self, blocking=False):
+                self.blocking, self.recorded = blocking, 0
+
+            def record(self, stream=None):
+                self.recorded += 1
+                outer.log.append(("record", "done" if self.blocking else "ready"))
+
+            def query(self):
+                return True
+
+            def synchronize(self):
+                outer.log.append(("host wait",))
+
+        class Stream:
+            cuda_stream = 0x5
+
+            def wait_event(self, event):
+                outer.log.append(("stream waits", "done" if event.blocking else "ready"))
+
+            def wait_stream(self, other):
+                pass
+
+        self.Event, self.Stream = Event, Stream
+
+
+class BucketLib(FakeLib):
+    """FakeLib whose allreduce sums nothing (one rank) and logs; ``fail_at`` makes that call fail."""
+
+    def __init__(self, log, fail_at=None):
+        super().__init__([SUCCESS])
+        self.log, self.fail_at, self.launches = log, fail_at, 0
+
+    def all_reduce(self, comm, ptr, count, dtype, op, stream):
+        self.launches += 1
+        self.log.append(("allreduce", count))
+        return 6 if self.launches == self.fail_at else IN_PROGRESS
+
+    def group_start(self):
+        self.log.append(("group start",))
+        return SUCCESS
+
+    def group_end(self):
+        self.log.append(("group end",))
+        return IN_PROGRESS
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, cuda_free):
+    from elastic_ring.backends.nccl import bucket_path
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cuda.Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: cuda.log.append(("record_stream",)),
+                        raising=False)
+    monkeypatch.setattr(bucket_path, "pinned", lambda numel, dtype: torch.empty(numel, dtype=dtype))
+    return cuda
+
+
+def _path_comm(fake_cuda, cuda_free, fail_at=None):
+    lib = BucketLib(fake_cuda.log, fail_at)
+    comm = make_comm(lib, cuda_free)
+    comm._stream = fake_cuda.Stream()
+    return comm, lib
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_a_step_on_a_bucket_path_waits_once_and_reads_the_trailer_from_its_pinned_copy(fake_cuda, cuda_free, mode):
+    comm, lib = _path_comm(fake_cuda, cuda_free)
+    path = comm.bucket_path(mode)
+    buckets = [torch.ones(4), torch.ones(8), torch.zeros(5 + 3)]
+    trailer = buckets[2][5:]
+    for step in range(2):
+        fake_cuda.log.clear()
+        works = [path.launch(buckets[0]), path.launch(buckets[1])]
+        path.fill_trailer(trailer, [1.0, 0.0, float(step)])
+        works.append(path.launch(buckets[2]))
+        path.wait(works)
+        assert path.read_trailer(trailer) == [1.0, 0.0, float(step)]  # the pinned copy (one rank: unreduced)
+        assert [entry for entry in fake_cuda.log if entry[0] == "allreduce"] == [("allreduce", 4), ("allreduce", 8),
+                                                                               ("allreduce", 8)]
+        assert fake_cuda.log.count(("host wait",)) == 1, "one host wait per step, on the last bucket"
+        assert fake_cuda.log.count(("stream waits", "ready")) == 3 and fake_cuda.log.count(("record", "done")) == 3
+        assert fake_cuda.log.count(("record_stream",)) == (3 if step == 0 else 0), "once per buffer"
+    assert len(path._done) == 3, "the events are pooled: the second step made none"
+    assert path.watch.registrations == 1, "one watchdog entry (the watchdog never saw the step end here)"
+    comm.close()
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_a_failed_bucket_launch_fails_the_communicator_and_the_step(fake_cuda, cuda_free, mode):
+    comm, lib = _path_comm(fake_cuda, cuda_free, fail_at=2)
+    path = comm.bucket_path(mode)
+    with pytest.raises(er.CommError, match="ncclRemoteError"):
+        works = [path.launch(torch.ones(4)), path.launch(torch.ones(4))]  # inline: raises here
+        path.wait(works)  # thread: raises here
+    assert comm.errored and "abort" in lib.calls
+    with pytest.raises(er.CommError):
+        path.launch(torch.ones(4))

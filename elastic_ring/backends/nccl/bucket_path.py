@@ -130,8 +130,8 @@ class NcclBucketPath(BucketPath):
     def fill_trailer(self, trailer: torch.Tensor, values: list[float]) -> None:
         host = self._trailer_in
         if host is None or host.dtype != trailer.dtype or host.numel() != trailer.numel():
-            host = self._trailer_in = torch.empty(trailer.numel(), dtype=trailer.dtype, pin_memory=True)
-            self._trailer_out = torch.empty(trailer.numel(), dtype=trailer.dtype, pin_memory=True)
+            host = self._trailer_in = pinned(trailer.numel(), trailer.dtype)
+            self._trailer_out = pinned(trailer.numel(), trailer.dtype)
         host.copy_(torch.tensor(values, dtype=trailer.dtype))  # the last step's copy from it ran: its wait came after
         trailer.copy_(host, non_blocking=True)  # on the current stream, before the last bucket's ready event
         self._readback = trailer
@@ -141,6 +141,11 @@ class NcclBucketPath(BucketPath):
             self._read_ready = False
             return self._trailer_out.tolist()  # type: ignore[union-attr]
         return trailer.tolist()
+
+
+def pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host buffer (the trailer's way to the device and back without a host wait)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
 def launch_jobs(comm: "NcclCommunicator", jobs: list[tuple]) -> None:
