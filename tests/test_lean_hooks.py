@@ -235,3 +235,34 @@ def test_a_lean_step_calls_nothing_per_parameter_but_its_hook(ring):
         assert extra <= params + 40, extra
     for extra, params, _ in ring.run(_calls_per_step, False, world_size=2, timeout_s=60):
         assert extra >= 4 * params, extra  # the locked path, for contrast: what the lean one saves
+
+
+def _misuse_in_steady_state():
+    model = Net()
+    opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                  backward_passes_per_step=2, fusion_threshold_bytes=600, first_bucket_bytes=100)
+    for step in (0, 2, 4):
+        opt.zero_grad()
+        for k in range(2):
+            loss_of(model, step, er.rank(), k).backward()
+        opt.step()
+    armed = opt._er_reducer._lean is not None
+    errors = []
+    loss_of(model, 6, er.rank(), 0).backward()  # the step's first pass, on lean hooks only
+    try:
+        opt.zero_grad()
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    loss_of(model, 6, er.rank(), 1).backward()
+    try:
+        loss_of(model, 6, er.rank(), 2).backward()
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    return armed, errors
+
+
+def test_misuse_on_lean_hooks_gives_the_same_clear_errors(ring):
+    for armed, errors in ring.run(_misuse_in_steady_state, world_size=2, timeout_s=60):
+        assert armed and len(errors) == 2, errors
+        assert "zero_grad() was called after loss.backward()" in errors[0]
+        assert "more than backward_passes_per_step=2" in errors[1]

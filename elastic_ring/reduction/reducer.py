@@ -234,6 +234,7 @@ class GradReducer(BucketAdoption, StepAccounting, StepAgreement, JoinAnswering):
         comm = self._lean
         if comm is None or runtime._current is not comm or self._synced_pending or self.boundary_due:
             return self._on_grad_ready_locked(param)  # (runtime._current: the module global, no call)
+        self._touched = True
         i = self._position[id(param)]
         remaining = self._remaining[i] - 1
         self._remaining[i] = remaining
