@@ -9,7 +9,6 @@ its lock per bucket, then a host wait on every bucket's event in ``synchronize()
   reused every step; the side stream waits with ``wait_event`` on the ready one;
 * **one watchdog entry per step** (:class:`~elastic_ring.backends.nccl.watchdog.OrderedWatch`): buckets run in
   order on one stream, so the last launched one is the one to watch, with the same deadline and the same abort;
-* each tensor is ``record_stream``-ed on the side stream once (a layout's buffers live as long as its ring);
 * **the step's trailer** is written from a persistent pinned buffer and read back through another one: its
   device-to-host copy is queued on the side stream right after the last bucket's collective, so reading it
   after the wait needs no second synchronization;
@@ -77,7 +76,6 @@ class NcclBucketPath(BucketPath):
         self._done: list[torch.cuda.Event] = []
         self._count = 0  # launches since the last wait
         self.watch = OrderedWatch(comm._watchdog, comm, "gradient bucket allreduce", self._timeout_s)
-        self._recorded: set[int] = set()
         self._trailer_in: torch.Tensor | None = None
         self._trailer_out: torch.Tensor | None = None
         self._readback: torch.Tensor | None = None  # the trailer to copy back after the next launch
@@ -161,10 +159,8 @@ def launch_jobs(comm: "NcclCommunicator", jobs: list[tuple]) -> None:
     calls = []
     for path, tensor, ready, _, _ in jobs:
         stream.wait_event(ready)
+        tensor.record_stream(stream)  # every launch: an address seen before may be another buffer by now
         ptr = tensor.data_ptr()
-        if ptr not in path._recorded:  # once per buffer: the allocator keeps it until the side stream is done
-            tensor.record_stream(stream)
-            path._recorded.add(ptr)
         calls.append((lib.all_reduce, (ptr, tensor.numel(), reduce_dtype(tensor.dtype), nccl_lib.SUM,
                                        stream.cuda_stream)))
     timeout_s = jobs[-1][0]._timeout_s
