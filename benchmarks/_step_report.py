@@ -66,7 +66,7 @@ def print_tables(rows: list[dict], args, partial: bool) -> None:
 
 def _print_stable(rows: list[dict]) -> None:
     scope = rows[0]["calls_scope"] if rows else ""
-    print(f"\nper step, measures a loaded machine does not move: CPU ms (getrusage in every rank process, summed over "
+    print(f"\nper step, measures a loaded machine moves less than the times (Python calls not at all): CPU ms (getrusage in every rank process, summed over "
           f"the ranks) and Python calls (rank 0, {scope}); target: ours <= DDP + 2 per parameter")
     print(f"{'row':<16} {'CPU DDP':>8} {'CPU ours':>8} {'CPU A/A':>8} {'CPU local':>9} {'calls DDP':>9} {'ours':>6} "
           f"{'target':>6} {'met':>4} {'strict':>6} {'local':>6} {'hot':>11}")
