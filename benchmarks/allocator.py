@@ -24,7 +24,7 @@ import torch.distributed as dist
 import elastic_ring as er
 from elastic_ring.core import allocator
 from benchmarks._launch import run_ranks
-from benchmarks.step import WORKLOADS, _model
+from benchmarks.step import WORKLOADS, _model  # noqa: F401
 
 
 def _faults() -> int:

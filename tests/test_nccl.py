@@ -131,6 +131,9 @@ PROTOTYPES = {
     "ncclAllReduce": ["const void*", "void*", "size_t", "ncclDataType_t", "ncclRedOp_t", "ncclComm_t", "cudaStream_t"],
     "ncclBroadcast": ["const void*", "void*", "size_t", "ncclDataType_t", "int", "ncclComm_t", "cudaStream_t"],
     "ncclAllGather": ["const void*", "void*", "size_t", "ncclDataType_t", "ncclComm_t", "cudaStream_t"],
+    "ncclGroupStart": [],
+    "ncclGroupEnd": [],
+    "ncclCommSplit": ["ncclComm_t", "int", "int", "ncclComm_t*", "ncclConfig_t*"],
     "ncclCommShrink": ["ncclComm_t", "int*", "int", "ncclComm_t*", "ncclConfig_t*", "int"],
     "ncclCommRevoke": ["ncclComm_t", "int"],
     "ncclCommGetUniqueId": ["ncclComm_t", "ncclUniqueId*"],
@@ -161,7 +164,7 @@ def test_prototypes_match_the_installed_nccl_header(tmp_path, nccl_header):
     """Assigns each function of nccl.h to a pointer of the PROTOTYPES type; gcc refuses any mismatch."""
     include = nccl_header
     returns = {"ncclGetErrorString": "const char*", "ncclGetLastError": "const char*"}
-    lines = [f"{returns.get(name, 'ncclResult_t')} (*p_{name})({', '.join(args)}) = {name};"
+    lines = [f"{returns.get(name, 'ncclResult_t')} (*p_{name})({', '.join(args) or 'void'}) = {name};"
              for name, args in PROTOTYPES.items()]
     (tmp_path / "sig.c").write_text('#include <stddef.h>\n#include "nccl.h"\n' + "\n".join(lines) + "\nint main(void) { return 0; }\n")
     done = subprocess.run(["gcc", "-Werror=incompatible-pointer-types", "-Werror=discarded-qualifiers", "-c",

@@ -136,6 +136,10 @@ class ReformLib(FakeLib):
         self.calls.append(("grow", comm, world_size, unique_id, rank))
         return self._out(), self.status
 
+    def split(self, comm, color, key, blocking):
+        self.calls.append(("split", comm, color, key, blocking))
+        return self._out(), SUCCESS if blocking else self.status
+
     def comm_unique_id(self, comm):
         self.calls.append(("uid", comm))
         return b"g" * 128
@@ -195,6 +199,17 @@ def test_a_shrink_of_an_aborted_parent_fails_clearly():
     parent.detach()
     with pytest.raises(CommError, match="ncclCommShrink failed.*aborted or destroyed"):
         nccl_reform.shrink(parent, (1,), clock() + 3, "rank 0/2 round 5", 3.0, clock, clock.sleep)
+
+
+def test_a_blocking_split_gives_a_settled_child_of_every_rank():
+    lib, clock = ReformLib([SUCCESS]), FakeClock()
+    parent = CommHandle(lib, 0xC0FFEE)
+    child = nccl_reform.split(parent, 1, True, clock() + 3, "rank 1/2 round 5", 3.0, clock, clock.sleep)
+    assert child.alive and parent.alive and lib.calls == [("split", 0xC0FFEE, 0, 1, True)]
+    lib.states = [3]  # a parent that failed meanwhile: the late child is not awaited forever
+    lib.writes_at_once = False
+    with pytest.raises(CommError, match="ncclCommSplit failed: the parent communicator reports ncclInternalError"):
+        nccl_reform.split(parent, 1, False, clock() + 3, "rank 1/2 round 5", 3.0, clock, clock.sleep)
 
 
 def test_grow_members_pass_their_parent_and_newcomers_their_rank():

@@ -114,6 +114,11 @@ class Communicator(abc.ABC):
     def barrier(self, timeout_s: float | None = None) -> None:
         self._guarded(self._barrier, self._timeout(timeout_s)).wait()
 
+    def bucket_path(self, mode: str | None = None) -> "BucketPath":
+        """Where a DistributedOptimizer's gradient buckets go on this ring (:class:`BucketPath`). ``mode`` names a
+        backend's optional path (NCCL: ``constants.NCCL_BUCKET_PATHS``); the default is :meth:`allreduce`."""
+        return BucketPath(self)
+
     # ------------------------------------------------------------ lifecycle
     def abort(self) -> None:
         """Tear down without waiting for peers; safe to call more than once."""
@@ -205,6 +210,40 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _abort(self) -> None: ...
+
+
+class BucketPath:
+    """A ring's lane for a DistributedOptimizer's gradient buckets: in-place SUM allreduces launched in order, all
+    waited for at the step's end, and the step's trailer (:mod:`elastic_ring.reduction.step_trailer`) written
+    before the last one and read after it. This default goes through :meth:`Communicator.allreduce`; a backend
+    may return a leaner one from :meth:`Communicator.bucket_path` (the same failures: ``CommError``, the
+    communicator failed and aborted)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self._host: torch.Tensor | None = None
+
+    def launch(self, tensor: torch.Tensor) -> Work:
+        return self.comm.allreduce(tensor, ReduceOp.SUM)
+
+    def wait(self, works: list[Work]) -> None:
+        """Wait for every bucket of the step (in launch order)."""
+        for work in works:
+            work.wait()
+
+    def fill_trailer(self, trailer: torch.Tensor, values: list[float]) -> None:
+        """Write this rank's trailer ``values`` into ``trailer`` (ordered before the last bucket's launch)."""
+        host = torch.tensor(values, dtype=trailer.dtype)
+        if trailer.device.type == "cuda":  # no host wait: from pinned memory, ordered before the bucket's launch
+            host = host.pin_memory()
+            trailer.copy_(host, non_blocking=True)
+            self._host = host  # alive until the copy ran (the step's end waits on the device anyway)
+        else:
+            trailer.copy_(host)
+
+    def read_trailer(self, trailer: torch.Tensor) -> list[float]:
+        """The reduced trailer, after :meth:`wait`."""
+        return trailer.tolist()
 
 
 class _GuardedWork(Work):

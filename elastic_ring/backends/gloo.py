@@ -39,12 +39,13 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from ..core import timeline
 from ..core.constants import GLOO_THREADS
 from ..core.errors import CommError
 from ..core.ops import ReduceOp
 from ..core.spec import RingSpec
 from . import reaper
-from .base import Communicator, Work
+from .base import _BACKEND_FAILURES, BucketPath, Communicator, Work
 from .formation import Formation
 
 #: How often a thread blocked in a gloo collective looks whether the communicator was aborted.
@@ -106,6 +107,58 @@ class _GlooWork(Work):
         return work is None or work.is_completed()
 
 
+class _GlooBuckets(BucketPath):
+    """The gradient buckets' lane on gloo: the ring's group with options made once, works made without a Python
+    frame; the same checks and failures as :meth:`Communicator.allreduce`. The communicator's abort releases the
+    works in flight (the path sits in its ``_works``). While the timeline records (looked at once per step),
+    buckets take the recorded path."""
+
+    def __init__(self, comm: "GlooCommunicator") -> None:
+        super().__init__(comm)
+        self._opts = opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = _timedelta(comm.spec.collective_timeout_s)
+        self._timeout_s = comm.spec.collective_timeout_s
+        self._live: list[_GlooWork] = []
+        self._recorded = timeline.is_enabled()
+        comm._works.add(self)
+
+    def launch(self, tensor: torch.Tensor) -> Work:
+        comm: GlooCommunicator = self.comm  # type: ignore[assignment]
+        pg = comm._pg
+        if pg is None or comm._error is not None or comm._closed or self._recorded:
+            return comm.allreduce(tensor, ReduceOp.SUM)  # its checks raise what is wrong; the timeline records it
+        try:
+            raw = pg.allreduce([tensor], self._opts)
+        except _BACKEND_FAILURES as exc:
+            raise comm.fail(exc) from exc
+        work = _GlooWork.__new__(_GlooWork)  # no __init__ frame: this runs once per bucket
+        work._work, work._timeout_s = raw, self._timeout_s
+        self._live.append(work)
+        if comm._pg is None:  # aborted by another thread meanwhile
+            work.release()
+        return work
+
+    def wait(self, works: list[Work]) -> None:
+        comm = self.comm
+        try:
+            for work in works:
+                if comm._error is not None or comm._closed:
+                    comm.check_usable()
+                try:
+                    work.wait()
+                except _BACKEND_FAILURES as exc:
+                    raise comm.fail(exc) from exc
+        finally:
+            self._live.clear()
+            self._recorded = timeline.is_enabled()
+
+    def release(self) -> None:
+        """The communicator was aborted: drop the works in flight (they hold the group's sockets)."""
+        for work in self._live:
+            work.release()
+
+
 class GlooCommunicator(Communicator):
     """Communicator of one round over gloo. ``store`` is a connected TCP store client."""
 
@@ -134,7 +187,7 @@ class GlooCommunicator(Communicator):
         self._pg: "dist.ProcessGroupGloo | None" = formation.run(build, discard, "gloo ring")
         # Collectives use the collective timeout; forming used the connect timeout.
         self._pg._set_default_timeout(_timedelta(spec.collective_timeout_s))
-        self._works: "weakref.WeakSet[_GlooWork]" = weakref.WeakSet()
+        self._works: "weakref.WeakSet[_GlooWork | _GlooBuckets]" = weakref.WeakSet()  # released by an abort
 
     def _group(self) -> "dist.ProcessGroupGloo":
         pg = self._pg  # aborted from another thread: None
@@ -153,6 +206,9 @@ class GlooCommunicator(Communicator):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def bucket_path(self, mode: str | None = None) -> BucketPath:
+        return _GlooBuckets(self)
 
     def _check_cpu(self, *tensors: torch.Tensor) -> None:
         for t in tensors:

@@ -32,6 +32,16 @@ def _env_int(name: str, default: int) -> int:
     return int(value)
 
 
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw not in choices:
+        raise ValueError(f"environment variable {name}={raw!r} is not one of {', '.join(choices)}; unset it or "
+                         "pick one")
+    return raw
+
+
 def _env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -62,6 +72,18 @@ FIRST_BUCKET_BYTES: int = _env_int("ELASTIC_RING_FIRST_BUCKET_BYTES", 1 * MIB)
 #: Gradients smaller than this are moved into their bucket views together when their bucket is
 #: complete (one batched copy and division); larger ones in their own hook, while backward goes on.
 GRAD_BATCH_BELOW_BYTES: int = _env_int("ELASTIC_RING_GRAD_BATCH_BELOW_BYTES", 256 * 1024)
+
+#: Whether DistributedOptimizer's gradient hooks take the lean path (no lock, no lookup, inlined bucket
+#: bookkeeping) once a step's agreement rides in its last bucket; 0 sends every hook through the locked path.
+LEAN_HOOKS: bool = _env_bool("ELASTIC_RING_LEAN_HOOKS", True)
+
+#: How the NCCL backend sends DistributedOptimizer's gradient buckets (docs/gpu.md): ``collective`` (the
+#: default: each bucket is one checked collective, launched and waited for like any other), ``inline`` (pooled
+#: events, one host wait and one watchdog entry per step, the step's trailer through persistent pinned buffers;
+#: launched on the autograd thread) or ``thread`` (the same, launched by one FIFO launcher thread per
+#: communicator: the autograd thread only records a ready event and enqueues the bucket).
+NCCL_BUCKET_PATHS: tuple[str, ...] = ("collective", "inline", "thread")
+NCCL_BUCKETS: str = _env_choice("ELASTIC_RING_NCCL_BUCKETS", "collective", NCCL_BUCKET_PATHS)
 
 #: Whether DistributedOptimizer tunes its bucket size during the first steps of
 #: every ring when the caller did not fix ``fusion_threshold_bytes``.

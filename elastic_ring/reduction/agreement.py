@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from ..backends.base import Communicator
 from ..core.errors import CommError, TensorMismatchError
 from ..core.ops import ReduceOp
@@ -130,30 +128,32 @@ class StepAgreement:
         if not in_flight:
             return
         if check.same_call:
-            for _, work in in_flight:
-                work.wait()
+            self._path.wait(in_flight)
             raise TensorMismatchError(check.exchange_message()) from None
         self._layout = None
         comm.abort()
 
     # ------------------------------------------------------------ the agreement in the last bucket
     def _fill_trailer(self, layout: GradLayout) -> None:
-        """Write this rank's agreement (plan, step, boundary flag) behind the last bucket's gradients."""
+        """Write this rank's agreement (plan, step, boundary flag) behind the last bucket's gradients, and the sums
+        to expect when every rank wrote the same (read back by :meth:`_read_trailer`)."""
         boundary = bool(self.boundary_ask is not None and self.boundary_ask())
         values = step_trailer.encode(self._digest, self.applied_steps if self._step_armed else None, boundary)
-        trailer = layout.trailer
-        host = torch.tensor(values, dtype=trailer.dtype)
-        if trailer.device.type == "cuda":  # no host wait: from pinned memory, ordered before the bucket's launch
-            host = host.pin_memory()
-            trailer.copy_(host, non_blocking=True)
-            self._trailer_host = host  # alive until the copy ran (the step's end waits on the device anyway)
-        else:
-            trailer.copy_(host)
+        self._path.fill_trailer(layout.trailer, values)
+        world = self._world
+        self._expected_tail = [world * v for v in values[2:]]
 
     def _read_trailer(self, comm: Communicator, layout: GradLayout) -> None:
-        """After the last bucket: every rank reads the same sums, so all agree, or all raise the same way."""
+        """After the last bucket: every rank reads the same sums, so all agree, or all raise the same way. The sums
+        are compared with what this rank's own slots add up to on every rank; only a difference is decoded."""
+        sums = self._path.read_trailer(layout.trailer)
+        world = comm.size
+        if (sums[0] == world and sums[2:] == self._expected_tail and 0 <= sums[1] <= world
+                and float(sums[1]).is_integer()):
+            self._boundary_seen = sums[1] > 0
+            return
         step = self.applied_steps if self._step_armed else None
-        verdict = step_trailer.decode(layout.trailer.tolist(), comm.size, self._digest, step)
+        verdict = step_trailer.decode(sums, world, self._digest, step)
         if verdict.agreed:
             self._boundary_seen = verdict.boundary
             return

@@ -8,9 +8,10 @@ the bucket's allreduce runs on it in place: no pack before, no unpack after.
 * ``zero_grad(set_to_none=False)`` zeroes the views in place; autograd then
   adds into them, and nothing is copied.
 * ``zero_grad(set_to_none=True)`` (torch's default) drops them; autograd hands
-  each parameter a fresh gradient, which :meth:`adopt` moves into the view with
+  each parameter a fresh gradient, which the reducer moves into the view with
   one copy that also divides by the world size for an average, a division the
-  average needs anyway. So each gradient is touched once either way.
+  average needs anyway (:mod:`elastic_ring.reduction.adoption`). So each
+  gradient is touched once either way.
 * With compression (a wire dtype other than the gradients'), the bucket is
   cast into a wire buffer while it is divided (so a float16 sum cannot
   overflow when the average is representable) and cast back after the
@@ -27,9 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..backends.base import Communicator, Work
 from ..core import timeline
-from ..core.ops import ReduceOp
 from .fusion import Bucket
 
 
@@ -76,74 +75,22 @@ class GradLayout:
             and grad.device == view.device
         )
 
-    def adopt(self, i: int, param: torch.Tensor, divisor: int | None) -> None:
-        """Make ``param.grad`` parameter ``i``'s view holding its gradient (divided by ``divisor``).
-
-        A missing gradient becomes zeros, as in Horovod: every rank must send the bucket.
-        """
-        view = self.views[i]
-        grad = param.grad
-        with torch.no_grad():
-            if grad is None:
-                view.zero_()
-            elif self.owns(i, grad):
-                if divisor is not None:
-                    view.div_(divisor)
-                return
-            elif grad.is_sparse:
-                raise ValueError(
-                    f"DistributedOptimizer reduces dense gradients; parameter #{i} has a sparse gradient "
-                    "(e.g. nn.Embedding(sparse=True)); use sparse=False"
-                )
-            elif divisor is not None:
-                torch.div(grad, divisor, out=view)
-            else:
-                view.copy_(grad)
-        param.grad = view
-
-    def adopt_many(self, indices: Sequence[int], params: Sequence[torch.Tensor], divisor: int | None) -> None:
-        """:meth:`adopt` for several small gradients at once: one ``_foreach`` copy and one ``_foreach``
-        division instead of two Python-level tensor calls each (which cost more than the bytes they move)."""
-        copy_to, copy_from, zero, scale = [], [], [], []
-        for i in indices:
-            grad = params[i].grad
-            view = self.views[i]
-            scale.append(view)
-            if grad is None:
-                zero.append(view)
-            elif not self.owns(i, grad):
-                if grad.is_sparse:
-                    raise ValueError(
-                        f"DistributedOptimizer reduces dense gradients; parameter #{i} has a sparse gradient "
-                        "(e.g. nn.Embedding(sparse=True)); use sparse=False"
-                    )
-                copy_to.append(view)
-                copy_from.append(grad)
-        with torch.no_grad():
-            if copy_to:
-                torch._foreach_copy_(copy_to, copy_from)
-            if zero:
-                torch._foreach_zero_(zero)
-            if divisor is not None and scale:
-                torch._foreach_div_(scale, divisor)
-        for i in indices:
-            params[i].grad = self.views[i]
-
-    def launch(self, b: int, comm: Communicator, op: ReduceOp, divisor: int | None) -> Work:
-        """Start bucket ``b``'s allreduce (``divisor``: divide while casting to the wire dtype)."""
+    def wire_for(self, b: int, divisor: int | None) -> torch.Tensor:
+        """Bucket ``b``'s tensor to send: its buffer, or the wire buffer it is cast into (``divisor``: divided while
+        cast, so a float16 sum of an average cannot overflow when the average is representable)."""
         buffer, wire = self.buffers[b], self.wire[b]
         if self.casts[b]:
             part = wire[:buffer.numel()]
-            with torch.no_grad(), timeline.span("cast", "fusion", bytes=part.numel() * part.element_size()):
+            with timeline.span("cast", "fusion", bytes=part.numel() * part.element_size()):
                 if divisor is None:
                     part.copy_(buffer)
                 else:
                     torch.div(buffer, divisor, out=part)
-        return comm.allreduce(wire, op)
+        return wire
 
     def finish(self, b: int) -> None:
         """After bucket ``b``'s allreduce: cast the result back into the gradients."""
         buffer, wire = self.buffers[b], self.wire[b]
         if self.casts[b]:
-            with torch.no_grad(), timeline.span("cast", "fusion", bytes=buffer.numel() * buffer.element_size()):
+            with timeline.span("cast", "fusion", bytes=buffer.numel() * buffer.element_size()):
                 buffer.copy_(wire[:buffer.numel()])

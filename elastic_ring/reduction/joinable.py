@@ -83,3 +83,6 @@ class JoinAnswering:
         if self._comm_ref is not None and self._comm_ref() is comm:
             self._step_armed = False
             self._join_active = True
+            if not self._touched:  # the next step leads with a check: not the lean step the last one armed
+                self._lean = None
+                self._in_bucket = self._verified = False

@@ -69,7 +69,8 @@ class _DistributedMixin:
             if reducer.micro_calls < reducer.passes:
                 return None
         if self._er_synchronize_in_step:
-            if self._er_reducer.reduced_unapplied:  # synchronize() ran and nothing was reduced since
+            reducer = self._er_reducer
+            if reducer._synced_pending and reducer.reduced_unapplied:  # synchronize() ran, nothing reduced since
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() after optimizer.synchronize(); "
                     "the gradients are not reduced again. Wrap step() in `with optimizer.skip_synchronize():` "

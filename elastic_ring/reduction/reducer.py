@@ -12,10 +12,18 @@ contract:
 * When a parameter's gradient has been accumulated ``backward_passes_per_step``
   times it is ready: it is moved into its view if autograd put it elsewhere
   (``zero_grad(set_to_none=True)``) and divided by the world size for an
-  average, in the same pass (small gradients together, once their bucket is
-  complete). Bucket *k* is launched as soon as it and every bucket before it
-  are ready, so all ranks launch buckets in the same order while
-  communication overlaps the rest of the backward pass.
+  average (:mod:`elastic_ring.reduction.adoption`: one ``div_`` per bucket when
+  every gradient already lives in its view). Bucket *k* is launched as soon as
+  it and every bucket before it are ready, so all ranks launch buckets in the
+  same order while communication overlaps the rest of the backward pass.
+  Buckets go out through the ring's :class:`~elastic_ring.backends.base.BucketPath`.
+* **The lean hook.** Once a step's first gradient has found that the step's
+  agreement rides in its last bucket (no check, no helper thread), the step's
+  other hooks take no lock and look nothing up: a countdown per parameter and
+  per bucket, the tables of :meth:`_layout_for_step`, one comparison with the
+  current ring (a module global, no call). A step's first gradient, a ring's
+  first steps, re-forms, join and autotuning take the locked path
+  (``ELASTIC_RING_LEAN_HOOKS=0``: always).
 * :meth:`synchronize` launches what is left (a parameter without a gradient
   contributes zeros), waits for every bucket, and resets for the next step.
 * Each step's ranks agree (same point, parameters, bucket plan, optimizer
@@ -45,16 +53,16 @@ from typing import Sequence
 
 import torch
 
-from ..backends.base import Communicator, Work
+from ..backends.base import BucketPath, Communicator, Work
 from ..core import constants, timeline
 from ..core.errors import CommError
 from ..core.log import get_logger
 from ..core.ops import ReduceOp
 from ..ring import runtime
 from . import fusion, step_trailer
+from .adoption import BucketAdoption
 from .agreement import StepAgreement
 from .autotune import AutotuneResult, Autotuner, distinct_candidates
-from .buckets import GradLayout
 from .compression import Compressor
 from .joinable import JoinAnswering, after_join, join_blockers
 from .signature import PendingCheck, describe, signature_hash, start_check
@@ -66,8 +74,12 @@ __all__ = ["GradReducer", "after_join", "join_blockers"]
 _log = get_logger(__name__)
 
 
-class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
+class GradReducer(BucketAdoption, StepAccounting, StepAgreement, JoinAnswering):
     """Reduces the gradients of ``named_params`` across the current ring, overlapped with backward."""
+
+    #: The backend's bucket path to use (NCCL: ``constants.NCCL_BUCKET_PATHS``; None: the backend's default,
+    #: ``ELASTIC_RING_NCCL_BUCKETS``). Read when a ring is bound; benchmarks set it per optimizer.
+    bucket_mode: str | None = None
 
     def __init__(
         self,
@@ -98,6 +110,7 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._check_digest: int | None = None  # the plan the check in flight asks about
         self._world = 1
         self._tuner: Autotuner | None = None
+        self._tuned = False  # the tuner of this ring has chosen (its per-step calls end)
         self.autotune_result: AutotuneResult | None = None
         self.applied_steps = 0
         #: Called after every consumed step as ``fn(passes, applied)``: applied by ``step()``, or reduced
@@ -122,8 +135,9 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._entries = [(n, describe(p)) for n, p in zip(self._names, self._params)]
         self._lock = threading.RLock()
         self._comm_ref: weakref.ref | None = None
+        self._path: BucketPath | None = None
         self._on_cpu = True
-        self._layout: GradLayout | None = None
+        self._layout = None
         self._ring_steps = 0
         self._last_step_end: float | None = None
         self.check_wait_s = 0.0  # total time the training thread waited for checks
@@ -146,6 +160,7 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
             for i in bucket.indices:
                 self._bucket_of[i] = b
         self._layout = None
+        self._new_plan_tables()
         self._kind = (f"DistributedOptimizer step (op={self._op.value}, compression={self._compressor.name}, "
                       f"backward_passes_per_step={self._passes}, fusion_threshold_bytes={bucket_bytes}, "
                       f"first_bucket_bytes={self._first_bytes}, {len(self.buckets)} buckets"
@@ -159,16 +174,22 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._gated_since: float | None = None
         self._verified = False
         self._in_bucket = False  # this step's agreement rides in its last bucket (no leading check)
+        self._lean: Communicator | None = None  # the ring this step's lean hooks serve (None: locked path)
         self._remaining = [self._passes] * len(self._params)
-        self._ready = [0] * len(self.buckets)
-        self._small: list[list[int]] = [[] for _ in self.buckets]  # ready small gradients not yet in their views
+        self._unready = len(self._params)  # parameters whose gradient is not final yet this step
+        self._touched = False  # a gradient of this step arrived
+        self._left = list(self._sizes)  # per bucket: parameters whose gradient is not final yet
+        self._divided = [0] * len(self._sizes)  # per bucket: gradients divided on their way into their views
+        for lists in (self._copy_to, self._copy_from, self._divide):
+            for pending in lists:
+                pending.clear()
         self._next = 0
-        self._in_flight: list[tuple[int, Work]] = []
+        self._in_flight: list[Work] = []
 
     @property
     def pending(self) -> bool:
         """True between the first ready gradient of a step and its synchronize()."""
-        return bool(self._in_flight) or any(r != self._passes for r in self._remaining)
+        return self._touched or bool(self._in_flight)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks + self._pre_hooks:
@@ -186,6 +207,7 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._step_armed = self._comm_ref is None or (self._armed_ref is not None and self._armed_ref() is comm)
         self._comm_ref = weakref.ref(comm)
         comm.before_check.append(weakref.WeakMethod(self._launch_gated))
+        self._path = comm.bucket_path(self.bucket_mode)
         self._world = comm.size
         self._agreed_digest = None  # a new ring's first step is checked before any bucket is sent
         self._join_active = False
@@ -193,6 +215,7 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._ring_steps = 0
         self._last_step_end = None
         self._tuner = None
+        self._tuned = False
         size = self._default_bytes
         if self._autotune:
             candidates = distinct_candidates(constants.AUTOTUNE_CANDIDATE_BYTES, self._default_bytes,
@@ -204,29 +227,61 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._use_plan(size)
         self._reset()
 
-    def _layout_for_step(self) -> GradLayout:
-        if self._layout is None:
-            self._layout = GradLayout(self._params, self.buckets, step_trailer.SLOTS if self._trailer_fits() else 0)
-        return self._layout
-
     # ------------------------------------------------------------ hooks and bucket launching
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated. The lean path inlines the common cases of ``_adopt`` and
+        ``_ready_one`` (adoption.py): no call per parameter but this one while the step stays on its ring."""
+        comm = self._lean
+        if comm is None or runtime._current is not comm or self._synced_pending or self.boundary_due:
+            return self._on_grad_ready_locked(param)  # (runtime._current: the module global, no call)
+        self._touched = True
+        i = self._position[id(param)]
+        remaining = self._remaining[i] - 1
+        self._remaining[i] = remaining
+        if remaining:
+            if remaining < 0:
+                raise self._too_many_passes(i)
+            return
+        self._unready -= 1
+        b = self._bucket_of[i]
+        grad = param.grad
+        view = self._views[i]
+        if grad is view:  # accumulated into the bucket: nothing moves
+            self._divide[b].append(view)
+        elif grad is None or grad.requires_grad or grad.is_sparse:
+            self._adopt(i, b)
+        elif self._large[i]:
+            divisor = self._divisors[b]
+            if divisor is None:
+                view.copy_(grad)
+            else:
+                torch.div(grad, divisor, out=view)
+                self._divided[b] += 1
+            param.grad = view
+        else:  # small: copied with the rest of its bucket when it is complete
+            self._copy_to[b].append(view)
+            self._copy_from[b].append(grad)
+            self._divide[b].append(view)
+            param.grad = view
+        left = self._left[b] - 1
+        self._left[b] = left
+        if not left:
+            try:
+                self._launch_ready(comm, b)
+            except CommError as exc:
+                self._on_comm_error(exc)
+                raise
+
+    def _on_grad_ready_locked(self, param: torch.Tensor) -> None:
+        if self._lean is not None and not self._touched:  # a step armed lean by the last one starts as any step
+            self._lean = None
+            self._in_bucket = self._verified = False
         if self.boundary_due:  # nobody ran it before this step's forward: run it now, before anything is sent
             self.run_boundary(in_step=True)
         if self._synced_pending:
             self._skipped_if_pending()
         comm = runtime.current_or_none()
         if comm is None or comm.size == 1:
-            return
-        if self._in_bucket and self._comm_ref() is comm:
-            # the lean path: no helper thread shares this step (its agreement rides in the last bucket), so no
-            # lock, no check, no verdict: count the gradient, adopt it, launch what is ready. Hooks run on one
-            # autograd thread: the parameters of a ring are on one device (the NCCL backend refuses others)
-            try:
-                self._count_ready(self._position[id(param)], comm)
-            except CommError as exc:
-                self._on_comm_error(exc)
-                raise
             return
         with self._lock:
             try:
@@ -238,18 +293,6 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
                 self._on_comm_error(exc)
                 raise
 
-    def _count_ready(self, i: int, comm: Communicator) -> None:
-        remaining = self._remaining[i] - 1
-        self._remaining[i] = remaining
-        if remaining < 0:
-            raise RuntimeError(
-                f"gradient of {self._names[i]!r} was computed more than backward_passes_per_step="
-                f"{self._passes} times before optimizer.step(); raise backward_passes_per_step "
-                "or call step() after every backward pass"
-            )
-        if remaining == 0 and self._ready_one(i, comm):
-            self._launch_ready(comm)
-
     def _start_check(self, comm: Communicator, helper: bool) -> None:
         """Once per step, at its first gradient: ask whether all ranks are here, with the same model, at the
         same step. With ``helper``, the answer is awaited on a helper thread (backward goes on meanwhile)."""
@@ -258,6 +301,8 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         self._boundary_seen = False
         if self._agree_in_bucket():
             self._in_bucket = self._verified = True
+            if constants.LEAN_HOOKS:  # the step's other hooks take the lean path
+                self._lean = comm
             return
         value = self._tuner.outgoing() if self._tuner is not None else 0
         boundary = int(bool(self.boundary_ask is not None and self.boundary_ask()))
@@ -277,54 +322,13 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
         else:
             self._check = check
 
-    def _ready_one(self, i: int, comm: Communicator) -> bool:
-        """Parameter ``i``'s gradient is final for this step: move it into its view (a large one now,
-        small ones together once their bucket is complete) and count it. True: its bucket is complete."""
-        b = self._bucket_of[i]
-        layout = self._layout or self._layout_for_step()
-        divisor = comm.size if self._op is ReduceOp.AVERAGE and not layout.casts[b] else None
-        if self._nbytes[i] >= constants.GRAD_BATCH_BELOW_BYTES:
-            layout.adopt(i, self._params[i], divisor)
-        else:
-            self._small[b].append(i)
-        ready = self._ready[b] = self._ready[b] + 1
-        if ready != len(self.buckets[b].indices):
-            return False
-        if self._small[b]:
-            layout.adopt_many(self._small[b], self._params, divisor)
-            self._small[b] = []
-        return True
-
-    def _launch_ready(self, comm: Communicator) -> None:
-        """Launch, in order, every bucket that is ready and allowed to go."""
-        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].indices):
-            if not self._verified and not self._deferred(comm):
-                if self._verdict is not None:  # the helper launches it once the answer is in
-                    if self._gated_since is None:
-                        self._gated_since = time.perf_counter()
-                    return
-                self._finish_check(comm)
-            self._launch(comm, self._next)
-            self._next += 1
-
-    def _launch(self, comm: Communicator, b: int) -> None:
-        if self._gated_since is not None:
-            self.first_bucket_delay_s += time.perf_counter() - self._gated_since
-            self._gated_since = None
-        layout = self._layout_for_step()
-        base_op = ReduceOp.SUM if self._op is ReduceOp.AVERAGE else self._op
-        cast_divisor = comm.size if self._op is ReduceOp.AVERAGE and layout.casts[b] else None
-        if self._in_bucket and b == len(self.buckets) - 1:
-            self._fill_trailer(layout)
-        self._in_flight.append((b, layout.launch(b, comm, base_op, cast_divisor)))
-
     # ------------------------------------------------------------ step
     def synchronize(self) -> None:
         """Finish this step's reduction: every parameter's ``.grad`` holds the reduced value."""
         if self.boundary_due:
             self.run_boundary(in_step=True)
         comm = runtime.current()
-        if comm.size == 1:
+        if comm.spec.world_size == 1:
             self._reset()
             self._reduced()
             return
@@ -340,24 +344,33 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
             finally:
                 self.check_wait_s += time.perf_counter() - started
         with self._lock:
+            in_bucket = False
             try:
-                self._bind(comm)
-                if self._verdict is waiter:
-                    self._raise_if_verdict_failed()
-                self._start_check(comm, helper=False)  # no gradient arrived this step: check here
-                for i, remaining in enumerate(self._remaining):
-                    if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
-                        self._remaining[i] = 0
-                        self._ready_one(i, comm)
-                self._launch_ready(comm)
+                if self._lean is not comm:  # a lean step is bound to its ring and agrees in its last bucket
+                    self._bind(comm)
+                    if self._verdict is waiter:
+                        self._raise_if_verdict_failed()
+                    self._start_check(comm, helper=False)  # no gradient arrived this step: check here
+                if self._unready:
+                    for i, remaining in enumerate(self._remaining):
+                        if remaining != 0:  # no gradient this step (or fewer passes): send what .grad holds, or zeros
+                            self._remaining[i] = 0
+                            b = self._ready_one(i)
+                            if b >= 0:
+                                self._launch_ready(comm, b)
+                    self._unready = 0
+                self._launch_ready(comm)  # what waited for a check's verdict
                 if self._next != len(self.buckets):
                     raise RuntimeError(f"internal error: {len(self.buckets) - self._next} gradient buckets were not launched")
-                self._finish_check(comm)  # deferred: the verdict comes before any result is used
-                layout = self._layout_for_step()
-                for b, work in self._in_flight:
-                    work.wait()
-                    layout.finish(b)
-                if self._in_bucket:
+                if not self._verified:
+                    self._finish_check(comm)  # deferred: the verdict comes before any result is used
+                layout = self._layout or self._layout_for_step()
+                self._path.wait(self._in_flight)
+                for b, cast in enumerate(layout.casts):
+                    if cast:
+                        layout.finish(b)
+                in_bucket = self._in_bucket
+                if in_bucket:
                     self._read_trailer(comm, layout)
             except CommError as exc:
                 self._on_comm_error(exc)
@@ -366,18 +379,24 @@ class GradReducer(StepAccounting, StepAgreement, JoinAnswering):
                 self._reset()
             self._reduced()
             self._end_step()
+            if in_bucket and constants.LEAN_HOOKS and self._layout is layout and not self._join_active:
+                # the same ring, plan and layout: the next step agrees in its last bucket too, its hooks start lean
+                self._in_bucket = self._verified = True
+                self._lean = comm
 
     def _end_step(self) -> None:
         now = time.perf_counter()
         seconds = None if self._last_step_end is None else now - self._last_step_end
         self._last_step_end = now
         self._ring_steps += 1
-        if self._tuner is not None:
-            switch = self._tuner.end_step(seconds)
+        tuner = self._tuner
+        if tuner is not None and not self._tuned:
+            switch = tuner.end_step(seconds)
             if switch is not None:
                 self._use_plan(switch)
                 self._reset()
             self._record_tuning()
+            self._tuned = tuner.done
 
     def _record_tuning(self) -> None:
         tuner = self._tuner

@@ -47,7 +47,8 @@ class StepAccounting:
         self.applied_steps += 1
         self._synced_pending = False
         self.micro_calls = 0
-        self._consumed(applied=True)
+        for listener in list(self.step_listeners):
+            listener(self._passes, True)
 
     def _skipped_if_pending(self) -> None:
         """A step reduced but never applied, and a new one begins: it was skipped (GradScaler did that)."""
@@ -126,8 +127,8 @@ class StepAccounting:
     # ------------------------------------------------------------ step boundaries
     def take_boundary(self) -> None:
         """After an applied step: a boundary is due when any rank asked for one in this step's check."""
-        comm = runtime.current_or_none()
-        if comm is None or comm.size == 1:  # no check runs: this rank decides alone
+        comm = runtime._current  # (the module global: no call on every step)
+        if comm is None or comm.spec.world_size == 1:  # no check runs: this rank decides alone
             seen = bool(self.boundary_ask is not None and self.boundary_ask())
         else:
             seen, self._boundary_seen = self._boundary_seen, False

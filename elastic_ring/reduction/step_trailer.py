@@ -29,6 +29,7 @@ ranks cannot differ there.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ import torch
 BITS = 32
 SLOTS = 3 + 2 * BITS
 _MASK = (1 << BITS) - 1
+_NO_STEP = (0.0,) * (1 + BITS)
 
 #: The largest world size whose counts a dtype sums exactly (every integer up to it is representable).
 _EXACT_UP_TO = {torch.float64: 1 << 53, torch.float32: 1 << 24, torch.float16: 1 << 11, torch.bfloat16: 1 << 8}
@@ -46,14 +48,22 @@ def supports(dtype: torch.dtype, world_size: int) -> bool:
     return world_size <= _EXACT_UP_TO.get(dtype, 0)
 
 
+@functools.lru_cache(maxsize=64)
+def _bits(value: int) -> tuple[float, ...]:
+    """The 32 low bits of ``value``, lowest first, as floats (cached: a plan's digest is encoded every step)."""
+    return tuple(float((value >> k) & 1) for k in range(BITS))
+
+
 def encode(digest: int, step: int | None, boundary: bool) -> list[float]:
     """This rank's slots: presence, boundary flag, the digest's bits, then the step's (if compared)."""
-    bits = [float((digest >> k) & 1) for k in range(BITS)]
+    head = [1.0, 1.0 if boundary else 0.0]
+    head += _bits(digest & _MASK)
     if step is None:
-        steps = [0.0] * (1 + BITS)
+        head += _NO_STEP
     else:
-        steps = [1.0] + [float(((step & _MASK) >> k) & 1) for k in range(BITS)]
-    return [1.0, float(bool(boundary))] + bits + steps
+        head.append(1.0)
+        head += [float(((step & _MASK) >> k) & 1) for k in range(BITS)]
+    return head
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,15 @@ from ...core.errors import CommError
 from ...core.log import get_logger
 from ...core.ops import ReduceOp
 from ...core.spec import RingSpec
-from ..base import Communicator, Work
+from ...core.constants import NCCL_BUCKET_PATHS, NCCL_BUCKETS
+from ..base import BucketPath, Communicator, Work
 from ..formation import Formation
 from . import handle as nccl_handle, lib as nccl_lib, reform as nccl_reform
+from .bucket_path import NcclBucketPath, launch_jobs
+from .codes import check_unique_id, reduce_dtype, reduce_op
+from .process_env import check_nonblocking_allowed, set_eager_connect, shared_gpu_env  # noqa: F401 (re-exported)
 from .handle import CommHandle, settle
+from .launcher import Launcher
 from .lib import NcclError, NcclUnavailable
 from .watchdog import Watchdog, process_watchdog
 
@@ -71,74 +76,6 @@ def nccl_available() -> bool:
 
 
 # ---------------------------------------------------------------- pure helpers
-_REDUCE_DTYPES = {
-    torch.float16: nccl_lib.FLOAT16, torch.bfloat16: nccl_lib.BFLOAT16, torch.float32: nccl_lib.FLOAT32,
-    torch.float64: nccl_lib.FLOAT64, torch.int8: nccl_lib.INT8, torch.uint8: nccl_lib.UINT8,
-    torch.int32: nccl_lib.INT32, torch.int64: nccl_lib.INT64,
-}
-for _name, _code in (("uint32", nccl_lib.UINT32), ("uint64", nccl_lib.UINT64)):
-    if hasattr(torch, _name):
-        _REDUCE_DTYPES[getattr(torch, _name)] = _code
-
-_REDUCE_OPS = {ReduceOp.SUM: nccl_lib.SUM, ReduceOp.MIN: nccl_lib.MIN, ReduceOp.MAX: nccl_lib.MAX,
-               ReduceOp.PRODUCT: nccl_lib.PROD}
-
-
-def reduce_dtype(dtype: torch.dtype) -> int:
-    """NCCL's data type for reducing ``dtype``; ValueError naming the dtype and the fix otherwise."""
-    try:
-        return _REDUCE_DTYPES[dtype]
-    except KeyError:
-        names = sorted(str(d).replace("torch.", "") for d in _REDUCE_DTYPES)
-        raise ValueError(f"NCCL cannot reduce tensors of dtype {dtype}; cast to one of {names}") from None
-
-
-def reduce_op(op: ReduceOp) -> int:
-    try:
-        return _REDUCE_OPS[op]
-    except KeyError:
-        raise ValueError(f"the NCCL backend reduces with SUM, MIN, MAX or PRODUCT, got {op}") from None
-
-
-def check_unique_id(value: object, identity: str) -> bytes:
-    """The unique id read from the store, as bytes; CommError if it is not 128 raw bytes."""
-    if isinstance(value, (bytes, bytearray)) and len(value) == nccl_lib.UNIQUE_ID_BYTES:
-        return bytes(value)
-    size = len(value) if isinstance(value, (bytes, bytearray)) else type(value).__name__
-    raise CommError(
-        f"[{identity}] the NCCL unique id in the store is not {nccl_lib.UNIQUE_ID_BYTES} raw bytes (got {size}); "
-        "every worker must run the same elastic_ring version (the id is published as raw bytes, not pickled)"
-    )
-
-
-def set_eager_connect(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
-    """Make NCCL connect every peer while the communicator forms (NCCL >= 2.22 connects lazily at
-    the first collective otherwise). Leaves a value the user set; returns whether it set one."""
-    if "NCCL_RUNTIME_CONNECT" in environ:
-        return False
-    environ["NCCL_RUNTIME_CONNECT"] = "0"
-    return True
-
-
-def shared_gpu_env(slot: int, host_prefix: str = "elastic-ring-host") -> dict[str, str]:
-    """NCCL settings for the rank process in ``slot`` when several ranks share one GPU (development,
-    tests, benchmarks): NCCL refuses two ranks of a communicator on one device ("Duplicate GPU
-    detected") unless each claims its own host (a distinct ``NCCL_HOSTID``); with P2P and shared
-    memory off, the ranks talk over NCCL's socket transport on loopback. Apply it to ``os.environ``
-    before the process forms its first communicator. See docs/gpu.md."""
-    return {"NCCL_HOSTID": f"{host_prefix}{slot}", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
-            "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo"}
-
-
-def check_nonblocking_allowed(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
-    """``NCCL_COMM_BLOCKING=1`` would override our non-blocking config: creation could then
-    block forever on a missing peer, out of the watchdog's reach. Refuse it."""
-    value = environ.get("NCCL_COMM_BLOCKING", "").strip()
-    if value not in ("", "0"):
-        raise RuntimeError(f"environment variable NCCL_COMM_BLOCKING={value!r} makes NCCL communicators blocking, "
-                           "which backend='nccl' cannot abort on a lost peer; unset it (or set it to 0)")
-
-
 # ---------------------------------------------------------------- streams
 _streams: dict[int, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -177,6 +114,7 @@ class NcclCommunicator(Communicator):
     """Communicator of one round over NCCL. ``store`` offers ``set(key, bytes)`` / ``get(key)``."""
 
     _lent = False  # handed to the next round to shrink or grow (lend)
+    _launcher: Launcher | None = None  # the FIFO bucket launcher of the "thread" bucket path (made at its first use)
 
     def __init__(self, spec: RingSpec, store, watchdog: Watchdog | None = None,
                  formation: Formation | None = None, parent: "NcclCommunicator | None" = None) -> None:
@@ -392,10 +330,39 @@ class NcclCommunicator(Communicator):
             if not t.is_contiguous():
                 raise ValueError("NCCL collectives need contiguous tensors")
 
+    # ------------------------------------------------------------ gradient buckets
+    def bucket_path(self, mode: str | None = None) -> BucketPath:
+        """``collective`` (the default of ``ELASTIC_RING_NCCL_BUCKETS``: :meth:`allreduce` per bucket), ``inline``
+        or ``thread`` (:mod:`elastic_ring.backends.nccl.bucket_path`)."""
+        mode = NCCL_BUCKETS if mode is None else mode
+        if mode not in NCCL_BUCKET_PATHS:
+            raise ValueError(f"NCCL bucket path {mode!r} is not one of {', '.join(NCCL_BUCKET_PATHS)} "
+                             "(ELASTIC_RING_NCCL_BUCKETS)")
+        return BucketPath(self) if mode == "collective" else NcclBucketPath(self, mode)
+
+    def bucket_launcher(self) -> Launcher:
+        """This communicator's launcher thread (the ``thread`` bucket path), started at the first call."""
+        self.check_usable()
+        with self._lock:
+            if self._launcher is None:
+                device = self._device
+                self._launcher = Launcher(f"elastic-ring-nccl-launcher-{self.spec.identity}",
+                                          run_batch=lambda jobs: launch_jobs(self, jobs),
+                                          on_error=self.fail, setup=lambda: torch.cuda.set_device(device))
+            return self._launcher
+
+    def _stop_launcher(self) -> None:
+        launcher = self._launcher
+        if launcher is not None:
+            launcher.stop()
+
     def _launch(self, op: str, tensors: tuple[torch.Tensor, ...], call, args: tuple, timeout_s: float) -> Work:
         handle = self._handle
         if handle is None:
             raise CommError(f"[{self.spec.identity}] the NCCL communicator is not formed")
+        launcher = self._launcher
+        if launcher is not None and launcher.pending:  # queued buckets go first, on every rank
+            launcher.drain(timeout_s)
         stream = self._stream
         with torch.cuda.device(self._device):
             stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -455,6 +422,10 @@ class NcclCommunicator(Communicator):
             if self._closed:
                 return
             self._closed = True
+        launcher = self._launcher
+        if launcher is not None:  # what it still has queued goes out before the finalize flushes
+            launcher.stop()
+            launcher.join(min(5.0, self.spec.collective_timeout_s))
         if self._error is not None:
             self._abort_nccl()
             return
@@ -493,6 +464,7 @@ class NcclCommunicator(Communicator):
             self._abort_handle(handle)
 
     def _abort_handle(self, handle: CommHandle) -> None:
+        self._stop_launcher()
         if self._watchdog is not None:
             self._watchdog.forget(self)
         with torch.cuda.device(self._device):

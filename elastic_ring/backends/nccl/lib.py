@@ -75,10 +75,10 @@ class Config(ctypes.Structure):
     ]
 
 
-def nonblocking_config() -> Config:
-    """NCCL_CONFIG_INITIALIZER with ``blocking = 0``."""
+def nonblocking_config(blocking: int = 0) -> Config:
+    """NCCL_CONFIG_INITIALIZER with ``blocking = 0`` (or 1: a blocking child of :meth:`NcclLibrary.split`)."""
     u = CONFIG_UNDEF_INT
-    return Config(ctypes.sizeof(Config), API_MAGIC, CONFIG_VERSION, 0, u, u, u, None, u)
+    return Config(ctypes.sizeof(Config), API_MAGIC, CONFIG_VERSION, blocking, u, u, u, None, u)
 
 
 class NcclError(RuntimeError):
@@ -171,6 +171,12 @@ class NcclLibrary:
         "ncclAllReduce": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
         "ncclBroadcast": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
         "ncclAllGather": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_void_p, _c_void_p]),
+        # A launcher thread groups the buckets it finds queued together (backends/nccl/bucket_path.py); a blocking
+        # child for bucket allreduces (docs/gpu.md, the launch design not taken yet) is measured by
+        # benchmarks.nccl_launch. Both exist from NCCL 2.18, below MIN_VERSION.
+        "ncclGroupStart": (_c_int, []),
+        "ncclGroupEnd": (_c_int, []),
+        "ncclCommSplit": (_c_int, [_c_void_p, _c_int, _c_int, ctypes.POINTER(_c_void_p), ctypes.POINTER(Config)]),
     }
 
     #: Re-forming without a full init, where the loaded NCCL has it: shrink (2.27), revoke (2.28), grow and a
@@ -294,6 +300,22 @@ class NcclLibrary:
 
     def all_gather(self, comm: int, src: int, dst: int, count: int, dtype: int, stream: int) -> int:
         return self._ncclAllGather(src, dst, count, dtype, comm, stream)
+
+    def group_start(self) -> int:
+        return self._ncclGroupStart()
+
+    def group_end(self) -> int:
+        return self._ncclGroupEnd()
+
+    def split(self, comm: int, color: int, key: int, blocking: bool) -> tuple["OutComm", int]:
+        """Start splitting ``comm`` (every rank calls it; ``color`` picks the child, ``key`` orders its ranks) into a
+        child that is ``blocking`` or not: ``(out, status)`` as :meth:`shrink_nonblocking` (the call itself is
+        non-blocking when ``comm`` is)."""
+        out = OutComm()
+        config = nonblocking_config(1 if blocking else 0)
+        out.keep(config)
+        status = self._ncclCommSplit(comm, color, key, ctypes.byref(out.ptr), ctypes.byref(config))
+        return out, status
 
     def finalize(self, comm: int) -> int:
         return self._ncclCommFinalize(comm)

@@ -223,6 +223,19 @@ def shrink(parent: CommHandle, exclude: tuple[int, ...], deadline: float, identi
     return _await_child(lib, out, status, parent, "ncclCommShrink", deadline, identity, timeout_s, clock, sleep)
 
 
+def split(parent: CommHandle, key: int, blocking: bool, deadline: float, identity: str, timeout_s: float,
+          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> CommHandle:
+    """A child of every rank of ``parent`` (one color; ``key`` orders the ranks), blocking or not. Not used by the
+    runtime: the blocking child for bucket allreduces is the launch design not taken yet (docs/gpu.md), measured by
+    ``benchmarks.nccl_launch``. With ``blocking`` the call itself waits for every rank of ``parent``."""
+    lib = parent.lib
+    try:
+        out, status = parent.derive("ncclCommSplit", lambda p: lib.split(p, 0, key, blocking))
+    except NcclError as exc:
+        raise CommError(f"[{identity}] NCCL ncclCommSplit failed: {exc}") from exc
+    return _await_child(lib, out, status, parent, "ncclCommSplit", deadline, identity, timeout_s, clock, sleep)
+
+
 def grow_id(parent: CommHandle, identity: str) -> bytes:
     """The root's single-use id for growing ``parent`` (``ncclCommGetUniqueId``)."""
     try:

@@ -179,6 +179,42 @@ class Watchdog:
                 raise
 
 
+class OrderedWatch:
+    """One watchdog entry for operations launched one after the other on one stream (a step's gradient buckets),
+    instead of one entry, and its lock, per operation: they complete in order, so the last launched is the one to
+    watch. :meth:`launched` hands it over; while the entry lives, that only moves its ``done`` probe to the new
+    operation and its deadline to ``timeout_s`` from now. Once the watchdog saw the last one complete (the entry
+    is forgotten), the next launch registers a new entry. The probe and the hand-over share a lock, so an
+    operation launched while the watchdog drops the entry is never left unwatched."""
+
+    def __init__(self, watchdog: Watchdog, target: WatchTarget, op: str, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._watchdog, self._target, self._op, self._timeout_s, self._clock = watchdog, target, op, timeout_s, clock
+        self._lock = threading.Lock()
+        self._done: Callable[[], bool] | None = None
+        self._entry: Watched | None = None
+        #: entries registered so far (tests and benchmarks read it)
+        self.registrations = 0
+
+    def launched(self, done: Callable[[], bool]) -> None:
+        """An operation was launched after every earlier one; ``done()`` says whether it completed."""
+        with self._lock:
+            self._done = done
+            entry = self._entry
+            if entry is None:
+                self.registrations += 1
+                self._entry = self._watchdog.watch(self._target, self._op, self._probe, self._timeout_s)
+            else:
+                entry.deadline = self._clock() + self._timeout_s
+
+    def _probe(self) -> bool:
+        with self._lock:
+            if self._done is None or self._done():
+                self._entry = None  # the watchdog forgets it now: the next launch registers anew
+                return True
+            return False
+
+
 _process_watchdog: Watchdog | None = None
 _process_lock = threading.Lock()
 
