@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from benchmarks._launch import run_ranks
 from benchmarks._needs import Results, require_nccl
 from elastic_ring.core.ops import ReduceOp
@@ -86,7 +87,7 @@ def _methods(comm, cuda: bool, numel: int, dev: torch.device) -> tuple[dict, lis
 
 def _bench(calls: int, blocks: int, numel: int, port: int, device: str) -> dict:
     rank, world = er.rank(), er.size()
-    comm = er.runtime.current()
+    comm = runtime.current()
     cuda = device == "cuda"
     dev = comm.device
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)

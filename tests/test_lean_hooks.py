@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from elastic_ring.core import constants
 
 IN, HIDDEN, OUT, PER_RANK = 12, 16, 4, 5
@@ -168,7 +169,7 @@ def _failure_inside_a_lean_hook():
     armed = opt._er_reducer._lean is not None
     before = [p.detach().clone() for p in model.parameters()]
     locked_before = count.locked
-    er.runtime.current().fail(er.CommError("injected: the ring failed between two steps"))
+    runtime.current().fail(er.CommError("injected: the ring failed between two steps"))
     opt.zero_grad()
     try:
         loss_of(model, 6, er.rank(), 0).backward()

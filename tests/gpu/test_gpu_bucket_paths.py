@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import elastic_ring as er
+from elastic_ring.ring import runtime
 from tests.process_ring import RankFailure
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +65,7 @@ def _reference(kind, n, steps, passes, device):
 def _train_both(kind, steps, passes, threshold, compression, mode, loop_collective):
     """The default path and ``mode`` in turn on the same ring, from the same weights and data."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    n, r, device = er.size(), er.rank(), er.runtime.current().device
+    n, r, device = er.size(), er.rank(), runtime.current().device
     runs = {}
     for path in ("collective", mode):
         model = _Net().to(device)
@@ -129,7 +130,7 @@ def test_bucket_paths_equal_the_default_path_and_one_process(gpu_ring, kind, pas
 
 
 def _train_until_error(flag_dir, mode, give_up_s=120.0):
-    comm = er.runtime.current()
+    comm = runtime.current()
     device = comm.device
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(device)
     opt = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), model.named_parameters(),
@@ -166,7 +167,7 @@ def _wait_for(paths, timeout_s):
 
 
 def _sum_of_ranks():
-    comm = er.runtime.current()
+    comm = runtime.current()
     return er.allreduce(torch.full((8,), float(comm.rank + 1), device=comm.device), op=er.Sum)[0].item()
 
 
