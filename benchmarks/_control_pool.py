@@ -4,7 +4,8 @@
 stops, the inbox backlog: all inherited, unchanged), with the methods that talk to Ray overridden:
 
 * ``request`` starts idle simulated workers (already connected, in the worker processes) instead of creating
-  actors, and hands the driver their "actor started" completion at once (Ray would after the actor's start);
+  actors, and hands the driver their "actor started" completion at once (Ray would after the actor's start), or,
+  while the scenario holds them (:attr:`SimPool.hold`: no room in the cluster), when it releases them;
 * ``apply_ray`` reads the scenario's completions (``("info" | "dead" | "return", worker id)``) instead of
   ``ray.get`` on object refs; ``watched_refs`` is empty (nothing for the Ray watcher to wait on);
 * ``notify`` and ``abort_round`` (actor calls in a real job) push a sealed message into the worker's queue;
@@ -32,6 +33,8 @@ class SimPool(WorkerPool):
         super().__init__(*args, **kwargs)
         self.wakeups, self.nodes, self.command = wakeups, nodes, command
         self._idle = list(order)  # simulated workers not started yet, in the order they start
+        self.hold = False  # requested workers wait for release() (no room in the cluster yet)
+        self._held: list[str] = []
         self.draining_script: dict[str, int] = {}
         self.answered_at: dict[tuple[int, str], float] = {}  # (round, worker) -> wall time of its ring answer
         self.started_at: dict[str, float] = {}  # worker -> wall time the driver asked for it
@@ -41,15 +44,27 @@ class SimPool(WorkerPool):
 
     # ------------------------------------------------------------ Ray's part, simulated
     def request(self, count: int) -> None:
-        started = []
+        """Like Ray creating ``count`` actors: records at once (pending actors count as requested); they start
+        now, or at :meth:`release` while :attr:`hold` (the cluster has no room yet)."""
+        asked = []
         for _ in range(count):
             if not self._idle:
                 break  # no capacity left: a real job's actors would stay pending
             wid = self._idle.pop(0)
             self.records[wid] = WorkerRecord(wid, actor=None, info_ref=None, run_ref=None, created_at=time.monotonic())
-            self.started_at[wid] = time.time()
-            started.append(wid)
+            asked.append(wid)
+        self._held += asked
+        if not self.hold:
+            self.release()
+
+    def release(self) -> None:
+        """Start the workers asked for while :attr:`hold` (their actors start)."""
+        self.hold = False
+        started, self._held = self._held, []
         if started:
+            now = time.time()
+            for wid in started:
+                self.started_at[wid] = now
             self.command("start", started)
             self.wakeups.put(("ray", [("info", wid) for wid in started]))
 

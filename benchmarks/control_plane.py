@@ -38,9 +38,11 @@ the join of its replacement; a node draining (Ray's drain list) and its replacem
   driver polls the drain list every 0.5 s).
 * ``heartbeat_lag_s``: median, and ``heartbeat_lag_p99_s``, from a worker sending a heartbeat to the driver's
   loop applying it, in the steady state.
-* also: ``start_to_spec_s`` (the first ring), ``join_to_spec_s`` (from the driver asking for the loss's
-  replacement to its ring answer; absent when it joined the loss's re-form), ``drain_to_spec_s`` (from the drain
-  to the ring without the node).
+* ``steps_per_s`` and ``ms_per_step``: how often the loop stepped its state in the steady state, and the median
+  CPU time of one step; ``msgs_per_s``: heartbeats and reports applied per second.
+* also: ``start_to_spec_s`` (the first ring), ``join_to_spec_s`` (from the loss's replacement starting, once the
+  loss's re-form was measured, to its ring answer), ``drain_to_spec_s`` (from the drain to the ring without the
+  node; the replacements are held back).
 
 The machine is shared: read the exponents and ratios, and the load average printed with each line.
 """
@@ -63,8 +65,8 @@ from typing import Any
 
 #: Every figure of a result line, in order (the first five are the issue's).
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
-          "heartbeat_lag_p99_s", "loop_cpu_per_s", "store_bytes_per_reform", "start_to_spec_s", "join_to_spec_s",
-          "drain_to_spec_s", "load")
+          "heartbeat_lag_p99_s", "loop_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s", "store_bytes_per_reform",
+          "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
 PER_NODE = 8
 RESERVE = 16  # idle workers for the replacements
 
@@ -249,7 +251,7 @@ def _run(n: int, opts: dict) -> dict:
     recv_store = Counted(server.connect(60.0))
     send, receive = Channel(driver_store, sc.secret, DRIVER), Channel(recv_store, sc.secret, DRIVER)
     config = TrainerConfig(min_workers=max(1, n // 2), max_workers=n, heartbeat_interval_s=opts["interval_s"],
-                           progress=False)
+                           heartbeat_timeout_s=opts["heartbeat_timeout_s"], progress=False)
     wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
     settings = WorkerSettings(driver_silence_s=config.driver_silence_s, flush_timeout_s=10.0)
     pool = SimPool(config, send, "127.0.0.1", server.address.port, keys, sc.secret, None, {}, settings,
@@ -273,10 +275,23 @@ def _run(n: int, opts: dict) -> dict:
     scenario.start()
     profile = cProfile.Profile() if opts.get("profile") else None
     result["loop_tid"] = threading.get_native_id()
+    steps: list[float] = []
+    advance = driver.advance
+
+    def timed_advance(state: Any) -> Any:  # the real step, timed on the loop thread's CPU clock
+        started = time.thread_time()
+        try:
+            return advance(state)
+        finally:
+            steps.append(time.thread_time() - started)
+
+    driver.advance = timed_advance  # type: ignore[method-assign]
+    result["steps"] = steps
     if profile is not None:
         profile.enable()
     try:
-        driver.run(on_tick)
+        final = driver.run(on_tick)
+        result["final"] = type(final).__name__ + (f": {getattr(final, 'error', '')}" if hasattr(final, "error") else "")
     finally:
         if profile is not None:
             profile.disable()
@@ -290,8 +305,16 @@ def _run(n: int, opts: dict) -> dict:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
         result["profile"] = f"{path}\n{text.getvalue()}"
+    lost = [e.detail.get("cause") for e in events.events if e.kind == "worker_lost"]
+    if lost:
+        result["lost"] = f"{len(lost)} workers lost, e.g. {lost[0]}"
+    result.pop("steps", None)
     if "error" in result:
         raise RuntimeError(result["error"])
+    if "done" not in result:
+        raise RuntimeError(f"the driver's run ended before the scenario did ({result.get('final')}; "
+                           f"{result.get('lost', 'no worker lost')}); measured so far: "
+                           f"{ {k: v for k, v in result.items() if k in FIELDS} }")
     return result
 
 
@@ -331,9 +354,14 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
         mine.add(sc.reader_tid)
     cpu0, loop0, mine0, t0 = time.process_time(), _thread_cpu_s(loop_tid), sum(map(_thread_cpu_s, mine)), time.monotonic()
     pool.lags = []
+    steps0, msgs0 = len(result["steps"]), pool.background_msgs
     time.sleep(opts["steady_s"])
     lags, pool.lags = pool.lags, None
     elapsed = time.monotonic() - t0
+    steady_steps = result["steps"][steps0:]
+    result["steps_per_s"] = len(steady_steps) / elapsed
+    result["ms_per_step"] = 1000 * statistics.median(steady_steps) if steady_steps else None
+    result["msgs_per_s"] = (pool.background_msgs - msgs0) / elapsed
     result["driver_cpu_per_s"] = (time.process_time() - cpu0 - (sum(map(_thread_cpu_s, mine)) - mine0)) / elapsed
     result["loop_cpu_per_s"] = (_thread_cpu_s(loop_tid) - loop0) / elapsed
     lags.sort()
@@ -343,6 +371,7 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     # ---- loss of the last rank, then its replacement joins
     ring = driver.ring
     victim, survivors = ring.worker_ids[-1], list(ring.worker_ids[:-1])
+    pool.hold = True  # its replacement starts once the re-form is measured
     before = _counts(sc, pool, driver_store, recv_store)
     t_loss = time.time()
     sc.command("kill", [victim])
@@ -360,16 +389,17 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     # the background's pushes are the workers' hb_ops; its pops are the driver's, one per background message
     result["store_ops_per_reform"] = after["ops"] - before["ops"] - bg_msgs
     result["store_bytes_per_reform"] = after["bytes"] - before["bytes"] - bg_msgs * per_msg
+    pool.release()
     _wait(lambda: driver.ring.world_size == n, 120, "the replacement did not join")
     grown = driver.ring
     sc.wait_formed(grown.round_id, list(grown.worker_ids))
     joiners = [w for w in grown.worker_ids if w not in lost.worker_ids]
-    if joiners:  # (none: the replacement was ready in time to join the loss's re-form)
-        result["join_to_spec_s"] = _answered(pool, grown, joiners) - min(pool.started_at[w] for w in joiners)
+    result["join_to_spec_s"] = _answered(pool, grown, joiners) - min(pool.started_at[w] for w in joiners)
 
     # ---- a node drains (a full one, not rank 0's)
     members = list(grown.worker_ids)
     node = grown.node_ids[n // 2]
+    pool.hold = True  # the replacements wait (not measured)
     t_drain = time.time()
     pool.draining_script = {node: int((time.time() + 120) * 1000)}
     _wait(lambda: set(members) <= set(sc.notices.get(grown.round_id, {})), 60, "the drain notice did not reach all")
@@ -378,7 +408,7 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     drained = driver.ring
     result["drain_to_spec_s"] = _answered(pool, drained) - t_drain
     result["load"] = os.getloadavg()[0]
-    result["events"] = len(driver.events.events)
+    result["done"] = True
 
 
 # ---------------------------------------------------------------- main
@@ -405,6 +435,9 @@ def main() -> None:
     parser.add_argument("--steady-s", type=float, default=4.0, help="length of the steady state measured")
     parser.add_argument("--interval-s", type=float, default=0.5, help="heartbeat interval (the default's)")
     parser.add_argument("--report-hz", type=float, default=10.0, help="rank 0's er.report records per second")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                        help="the driver's silence deadline (the default's); a driver that falls behind its inbox by "
+                             "more than this kills healthy workers")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one N may take")
     args = parser.parse_args()
@@ -413,10 +446,17 @@ def main() -> None:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     opts = {"steady_s": args.steady_s, "interval_s": args.interval_s, "report_hz": args.report_hz,
+            "heartbeat_timeout_s": args.heartbeat_timeout_s,
             "profile": args.profile, "timeout_s": args.timeout_s}
     rows: dict[int, dict[str, float]] = {}
+    failed = False
     for n in args.workers:
-        result = run_one(n, opts)
+        try:
+            result = run_one(n, opts)
+        except (RuntimeError, TimeoutError, queue.Empty) as exc:  # the next N may still tell something
+            print(f"workers={n} FAILED: {str(exc).strip().splitlines()[0]}", flush=True)
+            failed = True
+            continue
         rows[n] = {k: v for k, v in result.items() if k in FIELDS and v is not None}
         print(format_line(n, rows[n]), flush=True)
         if result.get("profile"):
@@ -430,6 +470,8 @@ def main() -> None:
                 grows.append(f"{name} {k:.2f}")
         print(f"exponent k of figure ≈ c·N^k over N={ns[0]}–{ns[-1]} (k > 1: faster than the workers): "
               + ", ".join(grows), flush=True)
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
