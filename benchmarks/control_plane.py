@@ -2,6 +2,7 @@
 
     python -m benchmarks.control_plane [--workers 16 64] [--steady-s 4] [--profile DIR]
     python -m benchmarks.control_plane --workers 32 128 512 1024
+    python -m benchmarks.control_plane --costs 32 128 512 1024   (the driver's pieces, one process)
 
 Prints one line per N::
 
@@ -440,7 +441,15 @@ def main() -> None:
                              "more than this kills healthy workers")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one N may take")
+    parser.add_argument("--costs", type=int, nargs="+", metavar="N",
+                        help="only measure what each piece of the driver's work costs at these N, in one process "
+                             "(benchmarks/_control_costs.py), and exit")
     args = parser.parse_args()
+    if args.costs:
+        from benchmarks import _control_costs
+
+        _control_costs.main(args.costs)
+        return
     if any(n < PER_NODE * 2 for n in args.workers):
         parser.error(f"--workers must be at least {PER_NODE * 2} (a node of {PER_NODE} drains)")
     if args.profile:
