@@ -30,7 +30,8 @@ rank (Ray reports its actor dead and the survivors ask for a ring at that instan
 the join of its replacement; a node draining (Ray's drain list) and its replacements joining.
 
 * ``driver_cpu_per_s``: the driver process's CPU seconds per second in the steady state (loop, inbox and store
-  server threads; the scenario's own threads left out); ``loop_cpu_per_s`` the loop thread's share.
+  server threads; the scenario's own threads left out); ``loop_cpu_per_s`` the loop thread's share,
+  ``inbox_cpu_per_s`` the inbox thread's (the rest: the store server's thread, Ray's watcher).
 * ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue.
 * ``store_ops_per_reform`` / ``store_bytes_per_reform``: every store operation (and key and value bytes) of that
   re-form, from the loss until every survivor went through the formation's store traffic, driver and workers,
@@ -66,7 +67,7 @@ from typing import Any
 
 #: Every figure of a result line, in order (the first five are the issue's).
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
-          "heartbeat_lag_p99_s", "loop_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s", "store_bytes_per_reform",
+          "heartbeat_lag_p99_s", "loop_cpu_per_s", "inbox_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s", "store_bytes_per_reform",
           "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
 PER_NODE = 8
 RESERVE = 16  # idle workers for the replacements
@@ -311,7 +312,9 @@ def _run(n: int, opts: dict) -> dict:
         result["lost"] = f"{len(lost)} workers lost, e.g. {lost[0]}"
     result.pop("steps", None)
     if "error" in result:
-        raise RuntimeError(result["error"])
+        first, _, rest = result["error"].partition("\n")
+        raise RuntimeError(f"{first} ({result.get('lost', 'no worker lost')}; the driver ended {result.get('final')})"
+                           f"\n{rest}")
     if "done" not in result:
         raise RuntimeError(f"the driver's run ended before the scenario did ({result.get('final')}; "
                            f"{result.get('lost', 'no worker lost')}); measured so far: "
@@ -353,7 +356,9 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     loop_tid = result["loop_tid"]
     if sc.reader_tid is not None:
         mine.add(sc.reader_tid)
+    inbox_tid = next(t.native_id for t in threading.enumerate() if t.name == "elastic-ring-driver-inbox")
     cpu0, loop0, mine0, t0 = time.process_time(), _thread_cpu_s(loop_tid), sum(map(_thread_cpu_s, mine)), time.monotonic()
+    inbox0 = _thread_cpu_s(inbox_tid)
     pool.lags = []
     steps0, msgs0 = len(result["steps"]), pool.background_msgs
     time.sleep(opts["steady_s"])
@@ -365,6 +370,7 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     result["msgs_per_s"] = (pool.background_msgs - msgs0) / elapsed
     result["driver_cpu_per_s"] = (time.process_time() - cpu0 - (sum(map(_thread_cpu_s, mine)) - mine0)) / elapsed
     result["loop_cpu_per_s"] = (_thread_cpu_s(loop_tid) - loop0) / elapsed
+    result["inbox_cpu_per_s"] = (_thread_cpu_s(inbox_tid) - inbox0) / elapsed
     lags.sort()
     result["heartbeat_lag_s"] = statistics.median(lags) if lags else None
     result["heartbeat_lag_p99_s"] = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None
