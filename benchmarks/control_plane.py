@@ -63,7 +63,7 @@ import secrets
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 #: Every figure of a result line, in order (the first five are the issue's).
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
@@ -205,11 +205,11 @@ class _Scenario:
                 p.kill()
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:
+def _wait(predicate, timeout_s: float, what: "str | Callable[[], str]") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError(what)
+            raise TimeoutError(what if isinstance(what, str) else what())
         time.sleep(0.005)
 
 
@@ -397,7 +397,9 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     result["store_ops_per_reform"] = after["ops"] - before["ops"] - bg_msgs
     result["store_bytes_per_reform"] = after["bytes"] - before["bytes"] - bg_msgs * per_msg
     pool.release()
-    _wait(lambda: driver.ring.world_size == n, 120, "the replacement did not join")
+    _wait(lambda: driver.ring.world_size == n, 120, lambda: (
+        f"the replacement did not join: ring of {driver.ring.world_size}, {len(pool.live())} live, joiners "
+        f"{[r.worker_id for r in driver.joiners()]}, held {pool._held}"))
     grown = driver.ring
     sc.wait_formed(grown.round_id, list(grown.worker_ids))
     joiners = [w for w in grown.worker_ids if w not in lost.worker_ids]
