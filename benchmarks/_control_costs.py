@@ -12,6 +12,9 @@ real store server:
 * ``answers_ms`` / ``answer_kb``: building, sealing and pushing the N ring answers of a re-form, and one answer's size;
 * ``cleanup_ms``: deleting one old round's keys (``mailroom.RoundKeys.forget_before``: ``list_keys`` of the store,
   then a delete per key) with the keys of two rounds of N ranks in the store;
+* ``wait_all_keys_ms`` / ``wait_one_key_ms``: one rank's wait in the formation's arrival barrier before issue 34
+  (on all N ranks' keys) and now (on one key), wall time on a store where the keys exist; the store's one thread
+  serves the N ranks' waits one after another;
 * ``demand_cores``: what the loop would need at 2 wake-ups per worker per second (the heartbeats), ``2 N · step_ms``.
 """
 
@@ -33,6 +36,15 @@ def _cpu_ms(fn: Callable[[], object], reps: int = REPS) -> float:
         started = time.thread_time()
         fn()
         samples.append((time.thread_time() - started) * 1000)
+    return statistics.median(samples)
+
+
+def _wall_ms(fn: Callable[[], object], reps: int = 31) -> float:
+    samples = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
     return statistics.median(samples)
 
 
@@ -101,6 +113,12 @@ def costs(n: int) -> dict[str, float]:
             ranked = dataclasses.replace(base, rank=rank)
             formation.announce_arrival(store, ranked)
             store.set(gloo.address_key(ranked, rank, lazy=True), b"a" * 154)
+    # the arrival barrier: one rank's wait on every rank's key (before issue 34) against one key (now); the store's
+    # single thread serves the N ranks' waits one after another, so a round costs about N times this
+    keys_n = [formation.arrival_key(dataclasses.replace(base, rank=r), r) for r in range(n)]
+    one = [formation.all_arrived_key(base)]
+    out["wait_all_keys_ms"] = _wall_ms(lambda: server.store.wait(keys_n))
+    out["wait_one_key_ms"] = _wall_ms(lambda: server.store.wait(one))
     started = time.thread_time()
     cleaner.forget_before(2)
     out["cleanup_ms"] = (time.thread_time() - started) * 1000
@@ -110,7 +128,7 @@ def costs(n: int) -> dict[str, float]:
 
 def main(ns: list[int]) -> None:
     names = ("context_ms", "step_ms", "kill_silent_ms", "apply_us", "answers_ms", "answer_kb", "cleanup_ms",
-             "demand_cores")
+             "wait_all_keys_ms", "wait_one_key_ms", "demand_cores")
     print("workers " + " ".join(f"{name:>14}" for name in names), flush=True)
     for n in ns:
         row = costs(n)
