@@ -50,7 +50,7 @@ def _wall_ms(fn: Callable[[], object], reps: int = 31) -> float:
 
 def costs(n: int) -> dict[str, float]:
     import elastic_ring as er
-    from elastic_ring.backends import formation, gloo
+    from elastic_ring.backends import arrival, gloo
     from elastic_ring.core.auth import AuthenticatedStore, new_secret
     from elastic_ring.ring.store import StoreServer
     from ray_integration.config import TrainerConfig
@@ -111,12 +111,12 @@ def costs(n: int) -> dict[str, float]:
                            store=server.address, job_id=keys.job, auth_key=secret)
         for rank in range(n):
             ranked = dataclasses.replace(base, rank=rank)
-            formation.announce_arrival(store, ranked)
+            arrival.announce_arrival(store, ranked)
             store.set(gloo.address_key(ranked, rank, lazy=True), b"a" * 154)
     # the arrival barrier: one rank's wait on every rank's key (before issue 34) against one key (now); the store's
     # single thread serves the N ranks' waits one after another, so a round costs about N times this
-    keys_n = [formation.arrival_key(dataclasses.replace(base, rank=r), r) for r in range(n)]
-    one = [formation.all_arrived_key(base)]
+    keys_n = [arrival.arrival_key(dataclasses.replace(base, rank=r), r) for r in range(n)]
+    one = [arrival.all_arrived_key(base)]
     out["wait_all_keys_ms"] = _wall_ms(lambda: server.store.wait(keys_n))
     out["wait_one_key_ms"] = _wall_ms(lambda: server.store.wait(one))
     started = time.thread_time()

@@ -12,7 +12,7 @@ driver's store, without ``fn``:
   answers (validated with the real ``RingSpec.from_wire``), ``stop``, ``pending``, and the simulated pool's
   stand-ins for the actor calls that Ray carries in a real job (``sim_notify``, ``sim_abort``, ``sim_kill``);
 * on a ring answer, the store traffic of a real formation on that connection: the arrival barrier
-  (``formation.announce_arrival``, then a wait for ``all_arrived``), the rank's gloo address (the lazy layout,
+  (``arrival.announce_arrival``, then a wait for ``all_arrived``), the rank's gloo address (the lazy layout,
   154 bytes as gloo's), and the reads a lazy gloo ring makes (a wait and a get per pair it connects:
   rank ± 2^k). No gloo group is built: the TCP pairs are not the control plane.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring.backends import formation, gloo
+from elastic_ring.backends import arrival, gloo
 from elastic_ring.core.auth import AuthenticatedStore
 from ray_integration.wire.channel import Channel
 from ray_integration.wire.protocol import DRIVER, DriverKind, Keys, WorkerKind
@@ -254,8 +254,8 @@ class WorkerHost:
         store = AuthenticatedStore(w.recv_store, self.secret)
         timeout = datetime.timedelta(seconds=spec.connect_timeout_s)
         try:
-            if not formation.announce_arrival(store, spec):
-                store.wait([formation.all_arrived_key(spec)], timeout)
+            if not arrival.announce_arrival(store, spec):
+                store.wait([arrival.all_arrived_key(spec)], timeout)
             store.set(gloo.address_key(spec, spec.rank, lazy=True), b"a" * GLOO_VALUE_BYTES)
             for peer in lazy_peers(spec.rank, spec.world_size):
                 key = gloo.address_key(spec, peer, lazy=True)

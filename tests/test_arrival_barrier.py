@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring.backends import formation
+from elastic_ring.backends import arrival, formation
 from elastic_ring.core.auth import AuthenticatedStore
 from tests.process_ring import TEST_SECRET
 
@@ -52,11 +52,11 @@ def test_the_arrival_barrier_costs_each_rank_a_few_operations_on_one_key():
                            timeout=datetime.timedelta(seconds=10))
     store = AuthenticatedStore(client, TEST_SECRET)
     for rank in range(world - 2):  # the others arrived (each: its key, then the counter)
-        assert not formation.announce_arrival(store, _spec(server.port, rank, world, "barrier-cost"))
+        assert not arrival.announce_arrival(store, _spec(server.port, rank, world, "barrier-cost"))
     waiting = _CountingStore(store)
     form = formation.Formation(_spec(server.port, world - 2, world, "barrier-cost"), waiting)
     other = AuthenticatedStore(server, TEST_SECRET)  # another connection: the waiting one is busy
-    threading.Timer(0.2, formation.announce_arrival, args=(other, _spec(server.port, world - 1, world,
+    threading.Timer(0.2, arrival.announce_arrival, args=(other, _spec(server.port, world - 1, world,
                                                                         "barrier-cost"))).start()
     started = time.monotonic()
     assert form.run(lambda seconds_left: "group", None, "test group") == "group"
@@ -66,7 +66,7 @@ def test_the_arrival_barrier_costs_each_rank_a_few_operations_on_one_key():
     last = _CountingStore(store)  # the last to arrive waits for nothing
     form = formation.Formation(_spec(server.port, world - 1, world, "last-arrival"), last)
     for rank in range(world - 1):
-        formation.announce_arrival(store, _spec(server.port, rank, world, "last-arrival"))
+        arrival.announce_arrival(store, _spec(server.port, rank, world, "last-arrival"))
     assert form.run(lambda seconds_left: "group", None, "test group") == "group"
     assert last.waited == [] and last.ops == 3, (last.waited, last.ops)  # its key, the counter, all_arrived
 
@@ -83,9 +83,9 @@ def test_the_ranks_that_did_not_arrive_are_found_without_one_read_per_rank(absen
     store = AuthenticatedStore(server, TEST_SECRET)
     job = f"absent-{len(absent)}"
     for rank in set(range(world)) - set(absent):
-        formation.announce_arrival(store, _spec(server.port, rank, world, job))
+        arrival.announce_arrival(store, _spec(server.port, rank, world, job))
     counting = _CountingStore(server)
-    assert formation.absent_ranks(counting, _spec(server.port, 0, world, job), most) == named
+    assert arrival.absent_ranks(counting, _spec(server.port, 0, world, job), most) == named
     if len(absent) <= 3:
         assert len(counting.checked) <= 1 + 2 * max(1, len(absent)) * 6, counting.checked  # O(k log n), not n
 
@@ -95,9 +95,9 @@ def test_the_counter_is_named_with_the_job_secret():
     spec = _spec(29500, 0, 2, "named")
     other = er.RingSpec(round_id=1, rank=0, world_size=2, node_ids=("n",) * 2, store=spec.store,
                         auth_key=b"another-secret-of-32-bytes......", job_id="named")
-    assert formation.counter_key(spec).startswith("named/round1/arrivals/")
-    assert formation.counter_key(spec) != formation.counter_key(other)
-    assert formation.all_arrived_key(spec) != formation.all_arrived_key(other)
+    assert arrival.counter_key(spec).startswith("named/round1/arrivals/")
+    assert arrival.counter_key(spec) != arrival.counter_key(other)
+    assert arrival.all_arrived_key(spec) != arrival.all_arrived_key(other)
 
 
 # ---------------------------------------------------------------- a forged counter, with real processes
@@ -123,7 +123,7 @@ def test_a_forged_counter_fails_the_round_at_once_and_the_next_round_forms(ring)
     n, m = r0 + 1, r0 + 2
     spec_n = er.RingSpec(round_id=n, rank=0, world_size=2, node_ids=("n",) * 2, store=ring.address,
                          auth_key=TEST_SECRET)
-    ring.store.set(formation.counter_key(spec_n), b"\x80\x04forged")  # what a stranger's overwrite leaves
+    ring.store.set(arrival.counter_key(spec_n), b"\x80\x04forged")  # what a stranger's overwrite leaves
     pending = ring.start(_form_over_a_forged_counter, ring.address.port, n, m, world_size=2)
     while ring._round < m:
         ring.next_round()

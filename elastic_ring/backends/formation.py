@@ -8,15 +8,10 @@ after publishing its address); NCCL's ranks wait for rank 0's unique id. When
 the driver already knows that a member of the round is lost, that wait is pure
 loss. A :class:`Formation`:
 
-1. **Arrival barrier.** Each rank sets ``{job}/round{n}/arrived/{rank}`` and
-   adds one to the round's arrival counter; the rank whose addition makes it
-   reach ``world_size`` sets the round's ``all_arrived`` key, the one key every
-   other rank waits for. The backend group is built only after it, so a rank
-   that never comes is named in the error (from the per-rank keys, read only
-   then) and no backend state exists when the wait is given up. Per round, the
-   store serves two or three operations and one single-key wait per rank (it
-   served one wait on all ``world_size`` keys per rank: O(n²) key checks and
-   key names per round).
+1. **Arrival barrier** (:mod:`.arrival`: each rank's key, a counter, one
+   ``all_arrived`` key to wait for). The backend group is built only after it,
+   so a rank that never comes is named in the error and no backend state exists
+   when the wait is given up.
 2. **Abandonable construction.** The barrier wait and the backend's construction
    run on a helper thread, with native blocking waits (a normal re-form pays a
    thread start and one store round trip, nothing polls). The caller waits on an
@@ -38,16 +33,12 @@ timeouts). While it runs it may hold its store connection's lock:
 :attr:`Formation.store_held` tells the runtime to open a new connection for the
 next round. At exit, helpers still running get ``EXIT_DRAIN_S``.
 
-Arrival keys and the counter are existence hints, never data: a forged key or
-addition can only end the barrier early (a rank whose addition reaches
-``world_size`` or more sets ``all_arrived``); what the backend reads next
-(gloo's addresses, NCCL's unique id) stays authenticated. The counter's and
-``all_arrived``'s names carry a tag only the job's members can compute, so a
-stranger cannot write them before the round's ranks do; one who overwrites the
-counter once it exists (``list_keys``) fails that round (the server drops a
-connection that adds to a value that is not a number: :class:`CommError`, and
-the runtime opens a new connection for the next round) or, with a smaller
-number, makes it wait for its deadline or the driver's abort. Errors name the round, the ranks that had not arrived
+Arrival keys and the counter are existence hints (:mod:`.arrival`); what the
+backend reads next (gloo's addresses, NCCL's unique id) stays authenticated. A
+stranger who overwrites the counter with something that is not a number fails
+that round (the server drops the adding rank's connection: :class:`CommError`,
+and :attr:`Formation.store_broken` tells the runtime to open a new one).
+Errors name the round, the ranks that had not arrived
 (learnt on a fresh connection within ``DIAGNOSE_S``) and the cause: the driver's
 reason, or ``connect_timeout_s``.
 """
@@ -63,20 +54,15 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from ..core.auth import mac
 from ..core.errors import CommError
 from ..core.log import get_logger
 from ..core.spec import RingSpec
+from .arrival import _first_line, absent_ranks, all_arrived_key, announce_arrival
 
 _log = get_logger(__name__)
 
 T = TypeVar("T")
 
-ARRIVED = "arrived/"
-#: The round's arrival counter (``store.add``) and the key set once it reached world_size (both named with a tag
-#: that only the job's members can compute, :func:`counter_key`).
-ARRIVALS = "arrivals"
-ALL_ARRIVED = "all_arrived"
 #: How long the caller waits past the connect deadline for the helper's own timeout error before it abandons it.
 ABANDON_GRACE_S = 1.0
 #: How long an error path may spend learning which ranks did not arrive (on a fresh store connection).
@@ -106,49 +92,6 @@ def _drain_at_exit() -> None:
 
 
 atexit.register(_drain_at_exit)
-
-
-def arrival_key(spec: RingSpec, rank: int) -> str:
-    return f"{spec.store_prefix}{ARRIVED}{rank}"
-
-
-def _tag(spec: RingSpec) -> str:
-    """A name only the job's members can compute (a MAC of the round's prefix under the job's secret): a stranger
-    cannot write the round's counter before its ranks do."""
-    if spec.auth_key is None:
-        return "open"
-    return mac(spec.auth_key, "arrivals", spec.store_prefix, b"")[:8].hex()
-
-
-def counter_key(spec: RingSpec) -> str:
-    return f"{spec.store_prefix}{ARRIVALS}/{_tag(spec)}"
-
-
-def all_arrived_key(spec: RingSpec) -> str:
-    return f"{spec.store_prefix}{ALL_ARRIVED}/{_tag(spec)}"
-
-
-def announce_arrival(store: Any, spec: RingSpec) -> bool:
-    """Announce ``spec.rank``'s arrival in ``spec``'s round: its own key (what the errors name), then the
-    counter; the addition that makes the counter reach ``world_size`` releases every rank of the barrier.
-    Returns True when this call released it (every rank had arrived).
-
-    The store's server cannot add to a value that is not a number (one that a stranger wrote there): it closes
-    the connection. That raises :class:`CommError` naming the counter, and the connection must not be used
-    again (:attr:`Formation.store_broken`)."""
-    counter = counter_key(spec)
-    try:
-        store.set(arrival_key(spec, spec.rank), b"1")
-        count = int(store.add(counter, 1))
-    except (RuntimeError, OSError) as exc:  # DistNetworkError: the server dropped the connection
-        raise CommError(f"[{spec.identity}] could not announce this rank's arrival in round {spec.round_id} "
-                        f"({type(exc).__name__}: {_first_line(exc)}): the rendezvous store is gone, or {counter!r} "
-                        "holds something else than a count, written by something that is not part of the job "
-                        "(docs/security.md)") from exc
-    if count >= spec.world_size:
-        store.set(all_arrived_key(spec), b"1")
-        return True
-    return False
 
 
 class _Outcome:
@@ -401,29 +344,6 @@ class Formation(Generic[T]):
                              f"{self._missing()}")
         return CommError(f"[{spec.identity}] could not form the {what} of round {spec.round_id} within "
                          f"connect_timeout_s={spec.connect_timeout_s}: {type(error).__name__}: {_first_line(error)}")
-
-
-def absent_ranks(store: Any, spec: RingSpec, most: int) -> list[int]:
-    """Up to ``most`` ranks of ``spec``'s round, lowest first, whose arrival key is missing: one ``check`` of
-    all keys, then halves of the groups that miss some (O(missing · log world_size) round trips, not one
-    per rank)."""
-    missing: list[int] = []
-    groups = [range(spec.world_size)]
-    while groups and len(missing) < most:
-        group = groups.pop()
-        if store.check([arrival_key(spec, r) for r in group]):
-            continue
-        if len(group) == 1:
-            missing.append(group[0])
-            continue
-        half = len(group) // 2
-        groups += [group[half:], group[:half]]  # the lower half is looked at first
-    return missing
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _interruptible_wait(store: Any, keys: Sequence[str], timeout_s: float, formation: Formation) -> None:
