@@ -42,8 +42,8 @@ def probed(fn, probe: dict, config: dict):
                 and not os.path.exists(kill_file)):
             pathlib.Path(kill_file).write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        if probe.get("step_delay_s"):
-            time.sleep(probe["step_delay_s"])
+        if er.size() < probe.get("slow_below_size", 0):  # hold the run open until the replacement joins
+            time.sleep(probe.get("slow_step_s", 0.1))
 
     hook = register_optimizer_step_post_hook(after_step)
     try:

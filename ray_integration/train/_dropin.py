@@ -234,6 +234,8 @@ def run_training_function(fn: Callable[..., Any], options: Options, config: dict
         _session = session
     elastic.add_reform_listener(session.on_reform)
     try:
+        _warm_up()
+
         @er.elastic.run
         def attempt(entry: _Entry) -> Any:
             return _enter(session, fn, config)
@@ -244,6 +246,17 @@ def run_training_function(fn: Callable[..., Any], options: Options, config: dict
         with _lock:
             _session = None
         session.close()
+
+
+def _warm_up() -> None:
+    """One tiny forward, backward and optimizer step before the first ring is asked for: a fresh process's first
+    autograd pass loads libraries for seconds on a busy machine, which a joiner would otherwise spend while the
+    ring waits for it at its first collective."""
+    import torch
+
+    layer = torch.nn.Linear(1, 1)
+    layer(torch.ones(1, 1)).sum().backward()
+    torch.optim.SGD(layer.parameters(), lr=0.0).step()
 
 
 def _enter(session: Session, fn: Callable[..., Any], config: dict) -> Any:
