@@ -121,8 +121,7 @@ def _run_linear_example(tmp_path, monkeypatch, epochs: int, **probe) -> tuple[di
     kill_file = str(tmp_path / "killed")
     monkeypatch.setattr(script, "TorchTrainer", Instrumented.configured(
         config_added={"data_size": 400, "val_size": 80},  # the script reads them from its config (default 1000)
-        kill_file=kill_file, marks_dir=str(tmp_path / "marks"), victim_rank=1, kill_step=20,
-        checkpoint_file="model.pt", **probe))
+        kill_file=kill_file, marks_dir=str(tmp_path / "marks"), victim_rank=1, kill_step=20, **probe))
     metrics = script.train_linear(num_workers=2, epochs=epochs, storage_path=str(tmp_path))
     marks = sorted(_probe_marks(str(tmp_path)), key=lambda m: m["first_step"])
     final = sorted(_probe_marks(str(tmp_path), "final-*.json"), key=lambda m: m["rank"])
@@ -192,3 +191,26 @@ def test_a_script_with_a_torch_state_keeps_every_sample_once_across_a_kill_and_a
     assert value["identical"] and value["world"] == 3 and value["round"] >= 3, value
     assert not value["wrapper_reduces"], "the er.DistributedOptimizer reduces; prepare_model's wrapper stepped aside"
     assert result.checkpoint is not None and result.metrics["step"] % 3 == 0, result.metrics
+
+
+@pytest.mark.slow  # ~30 s: 10 epochs of an MLP on 28x28 images
+def test_rays_fashion_mnist_example_survives_a_sigkill(ray_session, tmp_path, monkeypatch):
+    """Ray Train's torch_fashion_mnist_example.py, only its imports changed (its body writes ``ray.train.X``:
+    ``import ray_integration as ray``), on FashionMNIST made locally by a torchvision stand-in, run by its own
+    train_fashion_mnist(num_workers=2): rank 1 is SIGKILLed in epoch 1; rank 0 re-enters the function at once and
+    trains the 10 epochs again alone (the script reports no checkpoint, so no replacement is admitted and, as in Ray
+    Train V2, ``Result.metrics`` is None)."""
+    from tests.dropin_probe import Instrumented
+    from tests.ray_examples import torch_fashion_mnist_example as script
+
+    (tmp_path / "marks").mkdir()
+    kill_file = str(tmp_path / "killed")
+    monkeypatch.setattr(script, "TorchTrainer", Instrumented.configured(  # storage_path: not ~/ray_results
+        kill_file=kill_file, marks_dir=str(tmp_path / "marks"), victim_rank=1, kill_step=40,
+        storage_path=str(tmp_path)))
+    script.train_fashion_mnist(num_workers=2, use_gpu=False)
+    marks = sorted(_probe_marks(str(tmp_path)), key=lambda m: m["first_step"])
+    _check_recovery(marks, float(open(kill_file).read()))
+    final = _probe_marks(str(tmp_path), "final-*.json")
+    assert [m["rank"] for m in final] == [0] and final[0]["wrapped"] == "ElasticDataParallel", final
+    assert final[0]["metrics"]["accuracy"] > 0.5, final  # chance is 0.1

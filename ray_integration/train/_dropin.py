@@ -249,11 +249,13 @@ def run_training_function(fn: Callable[..., Any], options: Options, config: dict
 
 
 def _warm_up() -> None:
-    """One tiny forward, backward and optimizer step before the first ring is asked for: a fresh process's first
-    autograd pass loads libraries for seconds on a busy machine, which a joiner would otherwise spend while the
-    ring waits for it at its first collective."""
+    """Before the first ring is asked for: import ``ray.train`` (its ``Checkpoint``, which get_checkpoint() returns:
+    pandas and pyarrow take a second or more to import) and run one tiny forward, backward and optimizer step (a
+    fresh process's first autograd pass loads libraries for seconds on a busy machine). Paid here, not while the
+    ring waits for this worker at a re-entry or a join."""
     import torch
 
+    ray_checkpoint_class()
     layer = torch.nn.Linear(1, 1)
     layer(torch.ones(1, 1)).sum().backward()
     torch.optim.SGD(layer.parameters(), lr=0.0).step()

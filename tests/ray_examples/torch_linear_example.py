@@ -1,7 +1,7 @@
 # Test data: Ray Train's example `python/ray/train/examples/pytorch/torch_linear_example.py`, as shipped in the
 # `ray` 2.60.0 wheel (ray-project/ray, commit b7f4259e944b), Copyright The Ray Authors, Apache License 2.0
 # (https://github.com/ray-project/ray/blob/master/LICENSE). Unmodified but for its three `ray.train` import lines,
-# which name `ray_integration.train` instead (marked `# changed`). tests/test_dropin_examples.py runs it.
+# which name `ray_integration.train` instead (marked `# changed`). tests/test_dropin_train.py runs it.
 import argparse
 import os
 import tempfile
