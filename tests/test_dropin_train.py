@@ -94,6 +94,27 @@ def test_dropin_configs_follow_ray_trains_semantics(tmp_path):
     assert options["max_workers"] == 1 and "/ray_results/ray_train_run-" in options["checkpoint_uri"]
 
 
+def test_the_first_ring_waits_for_start_workers_and_the_floor_stays_min_workers():
+    """ScalingConfig(num_workers=3) in the drop-in: start_workers=3, min_workers=1 (a new TrainerConfig option)."""
+    from ray_integration.config import TrainerConfig
+    from ray_integration.driver import context as c
+    from ray_integration.driver.states import START_GRACE_S, Running, Starting
+    from tests.test_driver_states import ctx, drive
+
+    limits = TrainerConfig(min_workers=1, max_workers=3, start_workers=3).limits
+    starting = Starting()
+    drive(starting, ctx(limits=limits, joiners=("a", "b")))
+    actions, nxt = drive(starting, ctx(now=100.0 + 10 * START_GRACE_S, limits=limits, joiners=("a", "b")))
+    assert nxt is starting and not any(isinstance(a, c.Form) for a in actions)  # 2 of 3: it keeps waiting
+    actions, nxt = drive(starting, ctx(now=100.0 + 11 * START_GRACE_S, limits=limits, joiners=("a", "b", "c")))
+    assert actions[-1] == c.Form((), ("a", "b", "c"), reason="start") and isinstance(nxt, Running)
+    assert TrainerConfig(min_workers=2, max_workers=3).limits.first_ring_workers == 2  # default: min_workers
+    for bad in (dict(min_workers=2, max_workers=3, start_workers=1), dict(max_workers=2, start_workers=3),
+                dict(start_workers=0)):
+        with pytest.raises(ValueError, match="start_workers"):
+            TrainerConfig(**bad)
+
+
 def test_a_script_that_calls_ray_train_itself_gets_the_fix(tmp_path):
     import ray.train
 
