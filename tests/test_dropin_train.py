@@ -5,6 +5,7 @@ exception of the training function counted as Ray counts it, and a script that a
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import inspect
 import json
@@ -124,6 +125,43 @@ def test_a_script_that_calls_ray_train_itself_gets_the_fix(tmp_path):
             _enter(session, lambda: ray.train.report({"loss": 1.0}), {})
     finally:
         session.close()
+
+
+# ---------------------------------------------------------------- prepare_model's wrapper on a ring (no Ray)
+def _wrapped_training(kind: str, steps: int, passes: int):
+    import copy
+
+    import elastic_ring as er
+    from tests.test_optimizer import global_batch, make_model, make_optimizer, reference_training
+
+    n, r, per_rank = er.size(), er.rank(), 6
+    model = prepare_model(make_model(seed=r))  # every rank starts from rank 0's model (seed 0), as DDP's
+    optimizer = make_optimizer(kind, model.parameters())  # the script's plain optimizer
+    for step in range(steps):
+        optimizer.zero_grad()
+        for k in range(passes):  # DDP's idiom: accumulate under no_sync(), reduce at the last pass
+            x, y = global_batch(step * passes + k, n, per_rank)
+            sl = slice(r * per_rank, (r + 1) * per_rank)
+            with model.no_sync() if k < passes - 1 else contextlib.nullcontext():
+                torch.nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
+        optimizer.step()  # the gradients were averaged by the end of backward
+    for p, e in zip(model.parameters(), reference_training(kind, n, per_rank, steps, passes)):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+    everyone = er.allgather_object([p.detach() for p in model.parameters()])
+    copied = copy.deepcopy(model)
+    return (all(torch.equal(a, b) for other in everyone for a, b in zip(everyone[0], other)),
+            isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model.module).__name__,
+            sorted(copied.state_dict())[:2], copied._reducer is None)
+
+
+@pytest.mark.parametrize("kind, passes, world", [("sgd", 1, 3), ("adam", 2, 2)])
+def test_prepare_model_averages_gradients_by_the_end_of_backward(ring, kind, passes, world):
+    """The wrapper with the script's plain optimizer equals one process on the concatenated batch (no_sync()
+    passes accumulate locally); ranks end identical; it is a DistributedDataParallel to the script."""
+    for identical, is_ddp, inner, keys, copy_reduces_nothing in ring.run(_wrapped_training, kind, 3, passes,
+                                                                         world_size=world):
+        assert identical and is_ddp and inner == "Sequential" and copy_reduces_nothing
+        assert keys == ["module.0.bias", "module.0.weight"], keys
 
 
 # ---------------------------------------------------------------- on Ray

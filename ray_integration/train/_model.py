@@ -55,6 +55,7 @@ class ElasticDataParallel(DistributedDataParallel):
         self.forward_sync_buffers = broadcast_buffers  # DistributedDataParallel.broadcast_buffers reads it
         self._sync_backward = True
         self._queued = False
+        self._reducers_seen = 0  # how many reducers this process had at the last look for an optimizer's
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         size = OPTIMIZER_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self._reducer: GradReducer | None = GradReducer(
@@ -79,7 +80,11 @@ class ElasticDataParallel(DistributedDataParallel):
         return self.module(*inputs, **kwargs)
 
     def _covered_by_an_optimizer(self) -> bool:
-        """Another live reducer (an ``er.DistributedOptimizer``'s) has hooks on one of these parameters."""
+        """Another live reducer (an ``er.DistributedOptimizer``'s) has hooks on one of these parameters (looked at
+        again only when the process's number of reducers changed)."""
+        if len(joinable._live) == self._reducers_seen:
+            return False
+        self._reducers_seen = len(joinable._live)
         mine = self._reducer
         ids = {id(p) for p in mine._params}
         return any(r is not mine and r._hooks and any(id(p) in ids for p in r._params) for r in list(joinable._live))
@@ -113,7 +118,7 @@ class ElasticDataParallel(DistributedDataParallel):
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy(model)``, ``torch.save(model)``) holds the module only: it reduces nothing."""
         attrs = dict(self.__dict__)
-        attrs.update(_reducer=None, _gates=[], _queued=False)
+        attrs.update(_reducer=None, _gates=[], _queued=False, _reducers_seen=0)
         return attrs
 
     def __setstate__(self, state: dict) -> None:
