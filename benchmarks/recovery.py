@@ -304,7 +304,8 @@ def main() -> None:
                 results.add(summary(f"{label}:   of which its set-up", [s for _, _, s in runs]))
                 recovery[label] = statistics.median(r for r, _, _ in runs)
         if len(recovery) == 2:
-            results.add(f"{'Ray Train / drop-in, median recovery':<46} {recovery['Ray Train TorchTrainer'] / recovery['drop-in ray_integration.train']:7.1f} x")
+            ratio = recovery["Ray Train TorchTrainer"] / recovery["drop-in ray_integration.train"]
+            results.add(f"{'Ray Train / drop-in, median recovery':<46} {ratio:7.1f} x")
     finally:
         ray.shutdown()
     if not args.skip_many_hosts and not args.skip_ours:
