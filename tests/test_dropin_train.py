@@ -116,13 +116,19 @@ def test_the_first_ring_waits_for_start_workers_and_the_floor_stays_min_workers(
             TrainerConfig(**bad)
 
 
-def test_a_script_that_calls_ray_train_itself_gets_the_fix(tmp_path):
+def test_a_script_that_calls_ray_train_itself_gets_the_fix_and_an_exception_without_budget_is_raised(tmp_path):
     import ray.train
+
+    def bug():
+        raise KeyError("a bug")
 
     session = Session(Options(takes_config=False, max_failures=0, max_workers=1))
     try:
         with pytest.raises(RuntimeError, match=r"import ray_integration.train as train"):
             _enter(session, lambda: ray.train.report({"loss": 1.0}), {})
+        with pytest.raises(KeyError, match="a bug"):  # Ray's default max_failures=0: fit() fails with it
+            _enter(session, bug, {})
+        assert session.entering  # it would enter again (after a re-form) if it were retried
     finally:
         session.close()
 
@@ -223,7 +229,7 @@ def test_rays_linear_example_survives_a_sigkill_and_a_replacement_joins(ray_sess
 def test_an_exception_re_enters_from_the_newest_checkpoint_until_max_failures(ray_session, tmp_path):
     """FailureConfig(max_failures=1): rank 1's first ValueError re-enters the function on both workers, which
     resume from the newest reported checkpoint (step 2); its second one fails fit() with Ray's WorkerGroupError
-    naming rank 1 and the error. With Ray's default (max_failures=0) the first one does."""
+    naming rank 1 and the error. (With Ray's default, max_failures=0, the first one does: the test above.)"""
     from tests import dropin_jobs
 
     run = train.RunConfig(name="raises", storage_path=str(tmp_path), failure_config=train.FailureConfig(max_failures=1))
