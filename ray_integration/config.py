@@ -47,6 +47,12 @@ class Limits:
     max_workers: int
     max_failures: int
     failure_window_s: float = 3600.0  # failures older than this (driver clock) no longer count
+    start_workers: int = 0      # the first ring waits for this many workers (0: min_workers)
+
+    @property
+    def first_ring_workers(self) -> int:
+        """How many workers the first ring waits for: ``start_workers``, at least ``min_workers``."""
+        return max(self.min_workers, self.start_workers)
 
     @property
     def suspect_after_s(self) -> float:
@@ -87,14 +93,15 @@ def check_gpus_per_worker(use_gpu: bool, gpus_per_worker: float | None) -> None:
 class TrainerConfig:
     """Every option of :class:`ElasticTrainer`, with units in the names.
 
-    Worker counts: the job starts once ``min_workers`` workers are up, grows to
-    ``max_workers`` as capacity appears, and keeps training while at least
-    ``min_workers`` are alive. Every wait of the driver and the workers has a
+    Worker counts: the job starts once ``min_workers`` workers are up (``start_workers``, if given:
+    the first ring waits for that many), grows to ``max_workers`` as capacity appears, and keeps
+    training while at least ``min_workers`` are alive. Every wait of the driver and the workers has a
     deadline that follows from these options (:attr:`limits`).
     """
 
     min_workers: int = 1
     max_workers: int = 1
+    start_workers: int | None = None
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float | None = None
@@ -129,6 +136,11 @@ class TrainerConfig:
                 f"ElasticTrainer min_workers={self.min_workers} is larger than max_workers={self.max_workers}; "
                 "set max_workers >= min_workers"
             )
+        if self.start_workers is not None:
+            check_int(_OWNER, "start_workers", self.start_workers, minimum=1, hint="or None: min_workers")
+            if not self.min_workers <= self.start_workers <= self.max_workers:
+                raise ValueError(f"ElasticTrainer start_workers={self.start_workers} must be between min_workers="
+                                 f"{self.min_workers} and max_workers={self.max_workers}")
         check_bool(_OWNER, "use_gpu", self.use_gpu)
         check_number(_OWNER, "cpus_per_worker", self.cpus_per_worker, allow_equal=True, unit="CPUs")
         if self.gpus_per_worker is not None:
@@ -237,4 +249,4 @@ class TrainerConfig:
                       capacity_wait_s=self.elastic_timeout_s, stop_timeout_s=self.stop_timeout_s,
                       min_workers=self.min_workers, max_workers=self.max_workers,
                       max_failures=sys.maxsize if self.max_failures == -1 else self.max_failures,
-                      failure_window_s=self.failure_window_s)
+                      failure_window_s=self.failure_window_s, start_workers=self.start_workers or 0)

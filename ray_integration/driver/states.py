@@ -151,7 +151,7 @@ class Starting(DriverState):
         ready = ctx.joiners
         if len(ready) != self.ready_seen:
             self.ready_seen, self.last_ready_change = len(ready), ctx.now
-        if decisions.ready_to_start(len(ready), ctx.limits.min_workers, ctx.limits.max_workers,
+        if decisions.ready_to_start(len(ready), ctx.limits.first_ring_workers, ctx.limits.max_workers,
                                     ctx.now - self.last_ready_change, START_GRACE_S):
             yield Form((), ready, reason="start")
             return Running()
