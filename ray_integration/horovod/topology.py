@@ -17,8 +17,9 @@ class _Session:
     the names of its ``_async`` operations not synchronized yet (:mod:`.session` keeps them)."""
 
     shut = False
-    #: (process set id, name) -> (the ring round it was started in, its handle's id); see session.claim_name
-    in_flight: dict[tuple[int, str], tuple[int, int]] = {}
+    #: (process set id, Horovod's op prefix, name) -> (the ring round it was started in, its handle's id); see
+    #: session.launch_async
+    in_flight: dict[tuple[int, str, str], tuple[int, int]] = {}
 
 
 def is_initialized() -> bool:
