@@ -42,11 +42,13 @@ import torch
 from ..backends.base import Communicator
 from ..core.errors import TensorMismatchError
 from ..ring import process_sets
+from ..reduction.signature import describe
+from .agreement import agree
 from .handles import Handle
-from .tensors import allgather
+from .tensors import gather_rows
 
-#: The name of the negotiation's allgather (what a peer's mismatch message shows).
-NEGOTIATE = "synchronize(named _async operations)"
+#: The kind of the negotiation's allgather (what a peer's mismatch message shows).
+NEGOTIATE = "hvd.synchronize(named _async operations)"
 #: Row markers: "this rank takes part" and "this rank gives up (its deadline passed)"; hashes are >= 0.
 _HERE, _GIVE_UP = -1, -2
 #: Sleeps between negotiation rounds that ran nothing (doubling), so that waiting ranks do not spin.
@@ -143,9 +145,11 @@ def _round(comm: Communicator, handle: Handle, give_up: bool) -> int:
         mine = [] if table is None else list(table.parked)
         target = next((d for d, entry in (table.parked.items() if table else ()) if entry[1] is handle), None)
     rows = [[comm.rank, _HERE]] + [[comm.rank, d] for d in mine] + ([[comm.rank, _GIVE_UP]] if give_up else [])
-    try:
-        with process_sets.scope_of(comm):
-            gathered = allgather(torch.tensor(rows, dtype=torch.int64), name=NEGOTIATE).tolist()
+    table_rows = torch.tensor(rows, dtype=torch.int64)
+    try:  # an allgather (a rank waiting in join() mirrors it with no rows), checked under its own kind
+        agree(comm, NEGOTIATE, [("names", describe(table_rows, ignore_first_dim=True))], None, None,
+              join_plan={"run": "allgather", "dtype": "int64", "rest": [2]})
+        gathered = (gather_rows(comm, table_rows, None, None) if comm.size > 1 else table_rows).tolist()
     except TensorMismatchError as exc:
         raise TensorMismatchError(
             f"synchronize() of a named _async operation pairs it by name with the other ranks' named operations, "
