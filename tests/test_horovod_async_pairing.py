@@ -193,3 +193,30 @@ def test_the_rings_abort_fails_a_queued_collective_at_once(ring):
 def test_named_hashes_are_stable_and_distinct():
     assert negotiation.name_hash("allreduce.a") == negotiation.name_hash("allreduce.a") >= 0
     assert negotiation.name_hash("allreduce.a") != negotiation.name_hash("allgather.a")
+
+
+def _async_beside_lean_steps():
+    """An _async collective still waiting for a slow peer while backward launches a lean step's buckets (no check
+    of their own): every rank issues the buckets after it, so both come out right."""
+    rank = er.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4))
+    optimizer = er.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                        autotune=False, strict_checks=False, fusion_threshold_bytes=4096)
+    gathered = []
+    for step in range(4):
+        x = torch.randn(8, 32) + rank
+        if rank == 1:
+            time.sleep(0.1)  # rank 0's _async collective waits for this one meanwhile
+        handle = er.allgather_async(torch.full((step + 1,), float(rank)))
+        model(x).pow(2).mean().backward()  # its buckets go out in its hooks
+        optimizer.step()
+        optimizer.zero_grad()
+        gathered.append(er.synchronize(handle).tolist())
+    return gathered, [p.detach().sum().item() for p in model.parameters()]
+
+
+def test_a_queued_collective_comes_before_a_lean_steps_buckets_on_every_rank(ring):
+    (gathered0, params0), (gathered1, params1) = ring.run(_async_beside_lean_steps, world_size=2, timeout_s=90)
+    assert gathered0 == gathered1 == [[0.0] * (s + 1) + [1.0] * (s + 1) for s in range(4)]
+    assert params0 == params1

@@ -5,11 +5,14 @@ queue of the communicator it runs on (the ring's, or a process set's sub-ring) a
 per queue runs them in the order they were called, so the ranks pair them by call order exactly as they pair
 their synchronous calls. ``poll()`` is False until the collective ran and its data arrived.
 
-The synchronous calls share the queue's order without going through it: every checked collective calls the
-communicator's ``before_check`` hooks before its check (:class:`~elastic_ring.reduction.signature.PendingCheck`),
-and the queue's hook, :meth:`OrderedQueue.settle`, waits there until the queue has run everything called
-before. A communicator no ``_async`` call ever used has no queue and no hook: the synchronous path is
-unchanged; one that has a queue pays a counter read per call while the queue is idle.
+The synchronous calls share the queue's order without going through it: the queue installs a hook that the
+communicator runs before it issues any collective (``Communicator.before_issue``); on any other thread, it
+waits there until the queue has run everything called before (:meth:`OrderedQueue.settle`), so a synchronous
+call, ``join()``'s probes and a ``DistributedOptimizer``'s buckets come after the ``_async`` calls made before
+them, on every rank. One thread is exempt: the step check's helper (:mod:`elastic_ring.reduction.verdict`),
+whose bucket launches are pinned before the next check by the communicator's ``before_check`` hooks (a queued
+collective's check waits for them). A communicator no ``_async`` call ever used has no queue and no hook: the
+synchronous path is unchanged; one that has a queue pays a counter read per collective while the queue is idle.
 
 Failures and deadlines are the collectives' own: each queued collective has its timeout, a failed or aborted
 communicator (``runtime.abort_round``) makes the one in flight raise ``CommError`` within ``WAIT_SLICE_S`` and
@@ -34,6 +37,9 @@ _log = get_logger(__name__)
 
 #: A queue's thread ends after this long without work (the next call starts another).
 IDLE_S = 2.0
+#: Threads whose collectives never wait for the queue: the step check's helper launches the gradient buckets a
+#: queued collective's check waits for (``before_check``), so waiting there would deadlock.
+EXEMPT_THREADS = frozenset({"elastic-ring-step-check"})
 
 _lock = threading.Lock()
 _queues: "weakref.WeakKeyDictionary[Communicator, OrderedQueue]" = weakref.WeakKeyDictionary()
@@ -50,7 +56,7 @@ class OrderedQueue:
         self._outstanding = 0
         self._thread: threading.Thread | None = None
         self._thread_id: int | None = None
-        comm.before_check.append(weakref.WeakMethod(self.settle))
+        comm.before_issue.append(self._before_issue)
 
     def submit(self, run: Callable[[Communicator], None]) -> None:
         """Queue ``run(comm)`` after everything called before; it runs in the caller's context (its
@@ -65,13 +71,17 @@ class OrderedQueue:
             self._cond.notify_all()
 
     def settle(self) -> None:
-        """Wait until everything queued so far has run (a synchronous call on another thread comes after it on
-        every rank). A no-op on the queue's own thread and while the queue is idle."""
+        """Wait until everything queued so far has run (a collective another thread issues then comes after it
+        on every rank). A no-op on the queue's own thread and while the queue is idle."""
         if self._outstanding == 0 or threading.get_ident() == self._thread_id:
             return
         with self._cond:
             while self._outstanding:
                 self._cond.wait(1.0)  # each queued collective has its own deadline; this only sleeps
+
+    def _before_issue(self) -> None:
+        if self._outstanding and threading.current_thread().name not in EXEMPT_THREADS:
+            self.settle()
 
     @property
     def idle(self) -> bool:
