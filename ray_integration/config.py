@@ -165,10 +165,10 @@ class TrainerConfig:
             raise ValueError(f"ElasticTrainer nccl_reform={self.nccl_reform!r} re-forms NCCL communicators, which only "
                              "a GPU job has: set use_gpu=True, or drop nccl_reform (gloo re-forms in milliseconds)")
         if self.worker_errors not in WORKER_ERRORS:
-            raise ValueError(f"ElasticTrainer worker_errors={self.worker_errors!r} is unknown; use 'fail' (fn raising on "
-                             "any worker ends the run with that error) or 'replace' (Horovod's elastic mode: that "
-                             "worker is lost and replaced, the others go on; the run fails when every worker of a "
-                             "ring failed)")
+            raise ValueError(f"ElasticTrainer worker_errors={self.worker_errors!r} is unknown; use 'fail' (fn "
+                             "raising on any worker ends the run with that error) or 'replace' (Horovod's elastic "
+                             "mode: that worker is lost and replaced, the others go on; the run fails when every "
+                             "worker of a ring failed)")
         if not (is_int(self.max_failures) and self.max_failures == -1):  # -1: unlimited, as Ray Train's
             check_int(_OWNER, "max_failures", self.max_failures, minimum=0, hint="or -1 for no limit")
         for name in ("failure_window_s", "start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",

@@ -44,7 +44,8 @@ def _in_flight_until_the_peer_calls():
         result = [r.to_dense() if r.is_sparse else r for r in (result if isinstance(result, list) else [result])]
         expected = launch()  # the same call again, synchronized at once: the reference
         expected = hvd.synchronize(expected)
-        expected = [e.to_dense() if e.is_sparse else e for e in (expected if isinstance(expected, list) else [expected])]
+        expected = expected if isinstance(expected, list) else [expected]
+        expected = [e.to_dense() if e.is_sparse else e for e in expected]
         out[form] = (returned_s < 0.2, polled, all(torch.equal(a, b) for a, b in zip(result, expected)))
     return out
 
@@ -98,7 +99,8 @@ def _named_out_of_order():
     hvd.barrier()
     out["late"] = hvd.synchronize(pending).tolist()
     # the same name on another op type is another operation (Horovod's prefixes)
-    h1, h2 = hvd.allreduce_async(torch.ones(1), name="same", op=hvd.Sum), hvd.allgather_async(torch.ones(1), name="same")
+    h1 = hvd.allreduce_async(torch.ones(1), name="same", op=hvd.Sum)
+    h2 = hvd.allgather_async(torch.ones(1), name="same")
     out["prefixes"] = (hvd.synchronize(h2).tolist(), hvd.synchronize(h1).tolist())
     return polled, out
 
@@ -132,7 +134,8 @@ def _named_mistakes():
         else:
             hvd.barrier()
     except er.TensorMismatchError as exc:
-        out["other"] = "synchronize() too" in str(exc) if rank == 0 else "rank 0: hvd.synchronize(named _async" in str(exc)
+        text = str(exc)
+        out["other"] = "synchronize() too" in text if rank == 0 else "rank 0: hvd.synchronize(named _async" in text
     out["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
     # hvd.shutdown() fails what waits to be paired (as Horovod's); hvd.init() starts anew
     parked = hvd.allreduce_async(torch.ones(1), name="cut")

@@ -184,8 +184,9 @@ def _round(comm: Communicator, handle: Handle, give_up: bool) -> int:
             f"collective_timeout_s={comm.spec.collective_timeout_s:g} (every rank must call an _async operation of "
             "that name and synchronize it); it did not run")
     if quitters:
-        raise TensorMismatchError(f"[{comm.spec.identity}] rank(s) {sorted(quitters)} gave up pairing named operations "
-                        "(a name was never submitted by some rank); this synchronize stops with them")
+        raise TensorMismatchError(f"[{comm.spec.identity}] rank(s) {sorted(quitters)} gave up pairing named "
+                                  "operations (a name was never submitted by some rank); this synchronize stops "
+                                  "with them")
     return ran
 
 
