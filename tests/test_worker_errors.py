@@ -93,3 +93,12 @@ def test_fail_keeps_ending_the_run_with_the_first_error():
     actions, nxt = drive(Running(), ctx(members=(M("a"), M("b", finished=True)), raised=(b,), user_error=b))
     assert actions == [c.event("failed", reason="user error", worker="b", rank=1, node="node1")]
     assert nxt == Failed(b.error)
+
+
+def test_giving_up_after_max_failures_names_the_last_error_of_a_dropped_worker():
+    limits = TrainerConfig(max_failures=1, worker_errors="replace").limits
+    b = _error("b", 1)
+    _, nxt = drive(Reforming("failure", since=99.0), ctx(limits=limits, members=(M("a", waiting="failure"),),
+                                                         failure_ages_s=(5.0, 0.0), dropped={"b": b}))
+    assert isinstance(nxt, Failed) and "max_failures=1" in str(nxt.error)
+    assert str(nxt.error).endswith("the last worker lost to an error: fn raised on rank 1: RuntimeError: boom on 1")

@@ -104,6 +104,15 @@ def _every_worker_failed(error: WorkerError, members: int) -> WorkerError:
                        f"worker_errors='replace'); the first error: {error.what}")
 
 
+def _last_raised(ctx: Context) -> str:
+    """The newest error of a worker dropped because its fn raised (``worker_errors="replace"``), for a message."""
+    if not ctx.dropped:
+        return ""
+    error = list(ctx.dropped.values())[-1].error
+    lines = (error.remote_traceback or "").strip().splitlines()
+    return f"; the last worker lost to an error: fn raised on rank {error.rank}: {lines[-1] if lines else '?'}"
+
+
 def _names_its_fix(error: str | None) -> bool:
     """The start error already says what to do (e.g. a user's file shadows one of our packages)."""
     return error is not None and shadowing.MARKER in error
@@ -262,7 +271,7 @@ class Reforming(DriverState):
             ctx = yield CountFailure()
             message = decisions.give_up_after_failure(list(ctx.failure_ages_s), ctx.limits)
             if message:
-                return Failed(RunFailed(message))
+                return Failed(RunFailed(message + _last_raised(ctx)))
         stopping = ctx.stop_reason is not None
         joiners = () if stopping else ctx.joiners
         decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,
