@@ -92,7 +92,7 @@ class OrderedQueue:
         while True:
             with self._cond:
                 if not self._items and not self._cond.wait_for(lambda: self._items, IDLE_S):
-                    self._thread = None  # (under the lock: the next submit starts a new thread)
+                    self._thread = self._thread_id = None  # (under the lock: the next submit starts a new thread)
                     return
                 run, context = self._items.popleft()
             try:
