@@ -55,13 +55,15 @@ class Context:
     stop_age_s: float | None
     abort_reason: str | None                 # abandon everything now
     tampering: str | None                    # a live worker's messages keep going missing: why the run must end
-    user_error: UserError | None             # the first worker whose fn raised
+    user_error: UserError | None             # the first worker whose fn raised (not dropped)
     start_failures: tuple[StartFailure, ...]  # oldest first
     returned_early: tuple[str, ...]          # workers whose fn returned before they ever joined a ring
     ever_had_state: bool                     # some worker completed a sync (held the job's state)
     checkpoint: str | None                   # the newest durable checkpoint of the job's state
     drain_saved: bool                        # one was written after the drain notice that asked for it
     start_diagnosis: str | None = None       # set by DiagnoseStart: why fewer than min_workers started
+    raised: tuple[UserError, ...] = ()       # every worker whose fn raised, not dropped yet, oldest first
+    dropped: Mapping[str, UserError] = field(default_factory=dict)  # members dropped because fn raised (replace)
 
 
 # ---------------------------------------------------------------- actions: what a state asks the loop to do
@@ -169,6 +171,14 @@ class DropRing:
 
 
 @dataclass(frozen=True)
+class DropRaised:
+    """Count these members, whose fn raised, as lost workers (kill their actors; they are replaced):
+    ``TrainerConfig.worker_errors="replace"``."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DiagnoseStart:
     """Find out why fewer than min_workers started (``ready`` did): ``Context.start_diagnosis``."""
 
@@ -176,4 +186,4 @@ class DiagnoseStart:
 
 
 Action = (AddEvent | PollDrains | KillSilent | RequestCapacity | Form | Notify | RequestPersist | AbortRound
-          | StopWorkers | StopWaiting | ReportLost | CountFailure | DropRing | DiagnoseStart)
+          | StopWorkers | StopWaiting | ReportLost | CountFailure | DropRing | DiagnoseStart | DropRaised)

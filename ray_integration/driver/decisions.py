@@ -140,6 +140,43 @@ def running_outcome(members: list[MemberView]) -> Outcome:
     return Outcome.CONTINUE
 
 
+class ErrorStep(enum.Enum):
+    NONE = "none"   # no worker's fn raised
+    DROP = "drop"   # count the members whose fn raised as lost workers (replaced); the others go on
+    FAIL = "fail"   # end the run with a worker's error
+
+
+@dataclass(frozen=True)
+class ErrorDecision:
+    step: ErrorStep
+    workers: tuple[str, ...] = ()  # DROP: the members to count as lost
+    worker: str | None = None      # FAIL: whose error ends the run
+    all_failed: bool = False       # FAIL: because every member of the ring failed (not the policy)
+
+
+def worker_error_decision(policy: str, raised: list[str], members: list[MemberView],
+                          dropped: frozenset[str] | set[str]) -> ErrorDecision:
+    """What to do about the workers whose ``fn`` raised (``raised``, oldest first, not dropped yet). ``policy``
+    (``TrainerConfig.worker_errors``): ``"fail"`` ends the run with the first error. ``"replace"`` is Horovod's
+    elastic mode: a member whose fn raised is a failed worker, dropped and replaced while the others go on; the run
+    fails when every member of the ring failed (each raised, was dropped for raising, or was lost), naming the
+    error of the lowest rank that raised; and at once for a worker that raised before it joined any ring (its
+    script cannot start: every replacement would fail alike)."""
+    if not raised:
+        return ErrorDecision(ErrorStep.NONE)
+    if policy != "replace":
+        return ErrorDecision(ErrorStep.FAIL, worker=raised[0])
+    ids = [m.worker_id for m in members]
+    outside = [w for w in raised if w not in ids]
+    if outside:
+        return ErrorDecision(ErrorStep.FAIL, worker=outside[0])
+    failed = set(raised) | set(dropped)
+    if all(m.dead or m.worker_id in failed for m in members):
+        first = next(w for w in ids if w in failed)
+        return ErrorDecision(ErrorStep.FAIL, worker=first, all_failed=True)
+    return ErrorDecision(ErrorStep.DROP, workers=tuple(w for w in ids if w in raised))
+
+
 class Step(enum.Enum):
     WAIT = "wait"        # not everyone is at the rendezvous yet, or capacity may still come
     FORM = "form"        # form the next ring of `staying` (+ joiners); with no holder left, it resumes from the checkpoint

@@ -23,8 +23,8 @@ import elastic_ring as er
 from ..config import TrainerConfig
 from . import decisions
 from .context import (
-    AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRing, Form, KillSilent, Notify,
-    PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
+    AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent,
+    Notify, PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
 )
 from .decisions import Kill, Verdict
 from .events import EventLog
@@ -60,6 +60,7 @@ class Driver:
         self.last_grace = float("-inf")       # when every worker last got a fresh grace (a driver stall)
         self.drain_persist_at: float | None = None  # when a drain notice last asked for a durable commit
         self.start_diagnosis: str | None = None
+        self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
 
     # ------------------------------------------------------------ inputs (safe from a signal handler or any thread)
     def request_stop(self, reason: str) -> None:
@@ -92,7 +93,8 @@ class Driver:
         now = time.monotonic()
         records = self.pool.records.values()
         members = self.members()
-        user_error = next((r for r in records if r.user_error is not None), None)
+        raised = tuple(UserError(r.worker_id, r.node_id, r.user_error) for r in records
+                       if r.user_error is not None and r.worker_id not in self.dropped)
         return Context(
             now=now, limits=self.limits, start_timeout_s=self.config.start_timeout_s, round_id=self.round_id,
             world_size=self.world_size, members=tuple(r.view(now) for r in members),
@@ -103,8 +105,7 @@ class Driver:
             stop_reason=self.stop_reason,
             stop_age_s=None if self.stop_requested_at is None else now - self.stop_requested_at,
             abort_reason=self.abort_reason, tampering=self.tampering,
-            user_error=None if user_error is None else UserError(user_error.worker_id, user_error.node_id,
-                                                                 user_error.user_error),
+            user_error=raised[0] if raised else None, raised=raised, dropped=dict(self.dropped),
             start_failures=tuple(StartFailure(r.worker_id, r.start_kind, r.start_error)
                                  for r in self.pool.start_failures),
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
@@ -153,6 +154,12 @@ class Driver:
                 self.failure_times.append(now)
             case DropRing():
                 self.ring = None
+            case DropRaised(workers):
+                for r in (records[w] for w in workers):
+                    self.dropped[r.worker_id] = UserError(r.worker_id, r.node_id, r.user_error)
+                    lines = (r.user_error.remote_traceback or "").strip().splitlines()
+                    self.pool.kill(r, f"fn raised on rank {r.user_error.rank}: {lines[-1] if lines else '?'} "
+                                      "(worker_errors='replace': a failed worker, replaced)")
             case DiagnoseStart(ready):
                 self.start_diagnosis = self.diagnose_start(ready)
             case _:

@@ -17,13 +17,13 @@ from typing import Any, Generator
 
 from elastic_ring import shadowing
 
-from ..errors import RunFailed
+from ..errors import RunFailed, WorkerError
 from . import decisions
 from .context import (
-    AbortRound, Action, Context, CountFailure, DiagnoseStart, DropRing, Form, KillSilent, Notify, PollDrains,
-    ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
+    AbortRound, Action, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent, Notify,
+    PollDrains, ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
 )
-from .decisions import MemberView, Outcome, StartFailureKind, Step
+from .decisions import ErrorStep, MemberView, Outcome, StartFailureKind, Step
 
 #: Without max_workers ready, start once no new worker became ready for this long.
 START_GRACE_S = 2.0
@@ -68,17 +68,24 @@ class Stopped(DriverState):
 
 
 def _fatal(ctx: Context) -> Generator[Action, Context, DriverState | None]:
-    """A user error, a worker that cannot start, tampering, or an abandoned stop ends the run in every state."""
+    """A user error, a worker that cannot start, tampering, or an abandoned stop ends the run in every state. With
+    ``worker_errors="replace"`` a member whose fn raised is dropped instead (a lost worker, replaced), unless
+    every member of the ring failed (:func:`decisions.worker_error_decision`)."""
     if ctx.abort_reason is not None:
         return Stopped(ctx.abort_reason, forced=True)
     if ctx.tampering is not None:
         yield event("failed", reason="messages lost or forged")
         return Failed(RunFailed(ctx.tampering))
-    if ctx.user_error is not None:
-        failed = ctx.user_error
-        yield event("failed", reason="user error", worker=failed.worker_id, rank=failed.error.rank,
-                    node=failed.node_id)
-        return Failed(failed.error)
+    raised = ctx.raised or ((ctx.user_error,) if ctx.user_error is not None else ())
+    decision = decisions.worker_error_decision(ctx.limits.worker_errors, [e.worker_id for e in raised],
+                                               list(ctx.members), frozenset(ctx.dropped))
+    if decision.step is ErrorStep.DROP:  # Horovod's elastic mode: failed workers, replaced; the others go on
+        yield DropRaised(decision.workers)
+    elif decision.step is ErrorStep.FAIL:
+        failed = next((e for e in raised if e.worker_id == decision.worker), None) or ctx.dropped[decision.worker]
+        yield event("failed", reason="every worker of the ring failed" if decision.all_failed else "user error",
+                    worker=failed.worker_id, rank=failed.error.rank, node=failed.node_id)
+        return Failed(_every_worker_failed(failed.error, len(ctx.members)) if decision.all_failed else failed.error)
     decisive = decisions.start_failure_verdict([f.kind for f in ctx.start_failures])
     if decisive is not None:
         failure = ctx.start_failures[decisive]
@@ -88,6 +95,22 @@ def _fatal(ctx: Context) -> Generator[Action, Context, DriverState | None]:
         times = "" if decisive == 0 else f" ({decisive + 1} workers failed to start)"
         return Failed(RunFailed(f"worker {failure.worker_id} could not start or load fn{times}:\n{failure.error}{hint}"))
     return None
+
+
+def _every_worker_failed(error: WorkerError, members: int) -> WorkerError:
+    """The error that ends a run whose every member failed (``worker_errors="replace"``): the first's, saying so."""
+    return WorkerError(error.worker_id, error.rank, error.node_id, error.hostname, error.remote_traceback,
+                       f"every worker of the ring failed ({members} of {members}: each raised or was lost, "
+                       f"worker_errors='replace'); the first error: {error.what}")
+
+
+def _last_raised(ctx: Context) -> str:
+    """The newest error of a worker dropped because its fn raised (``worker_errors="replace"``), for a message."""
+    if not ctx.dropped:
+        return ""
+    error = list(ctx.dropped.values())[-1].error
+    lines = (error.remote_traceback or "").strip().splitlines()
+    return f"; the last worker lost to an error: fn raised on rank {error.rank}: {lines[-1] if lines else '?'}"
 
 
 def _names_its_fix(error: str | None) -> bool:
@@ -248,7 +271,7 @@ class Reforming(DriverState):
             ctx = yield CountFailure()
             message = decisions.give_up_after_failure(list(ctx.failure_ages_s), ctx.limits)
             if message:
-                return Failed(RunFailed(message))
+                return Failed(RunFailed(message + _last_raised(ctx)))
         stopping = ctx.stop_reason is not None
         joiners = () if stopping else ctx.joiners
         decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,

@@ -35,6 +35,7 @@ from elastic_ring.core.log import get_logger
 from .. import data as data_input
 from ..errors import WorkerError, WorkerGaveUp
 from ..wire.channel import Channel
+from ..wire.launch_env import horovod_environment
 from ..wire.protocol import Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
@@ -169,6 +170,9 @@ class RingWorker:
     def _install(self, settings: WorkerSettings) -> None:
         self._rendezvous = WorkerRendezvous(self._send, self._receive, self._keys, self.worker_id, self._secret,
                                             settings.driver_silence_s)
+        # Horovod's launch variables, once, from the first ring this worker joins (as horovodrun's spawn-time
+        # values: never rewritten on a re-form), before hvd.init() / the first er call that forms it returns
+        self._rendezvous.on_first_ring = lambda spec: os.environ.update(horovod_environment(spec))
         er.elastic.set_rendezvous(self._rendezvous)
         set_reporter(self._report)
         membership.reset()

@@ -13,6 +13,7 @@ for a driver that is gone.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import elastic_ring as er
 from state import membership
@@ -35,6 +36,8 @@ class WorkerRendezvous:
         self.cuda_device: int | None = None  # this worker's GPU (NCCL rings), put into every spec
         self._synced_rounds: set[int] = set()
         self._handover_round: int | None = None  # a round whose members re-form right after its sync
+        #: called with the first ring spec the driver hands this worker (before that ring forms), once
+        self.on_first_ring: Callable[[er.RingSpec], None] | None = None
 
     def next_ring(self, reason: str) -> er.RingSpec:
         self.generation += 1
@@ -78,6 +81,9 @@ class WorkerRendezvous:
                 membership.post(membership.Notice(spec.round_id, stop=True, persist=True))
             if msg.get("handover"):
                 self._handover_round = spec.round_id
+            first, self.on_first_ring = self.on_first_ring, None
+            if first is not None:
+                first(spec)
             return spec
 
     @property
