@@ -35,8 +35,10 @@ from elastic_ring.core import timeline
 from elastic_ring.core.log import get_logger
 
 from . import membership
+from .checkpoints import hooks
 from .checkpoints.background import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
 from .checkpoints.config import CheckpointConfig, default_checkpointing
+from .checkpoints.policy import StateOrder
 from .checkpoints.store import CheckpointStore
 from .errors import CheckpointError, TrainingStopped
 from .handlers import OptimizerHandler, handler_for
@@ -65,7 +67,7 @@ def _on_joined_commit_answer(values: list[int]) -> None:
     """On a rank waiting in ``er.join()`` that answered the others' ``State.commit`` agreement: raise what they
     raise (``TrainingStopped`` / ``MembershipChanged``), so the joined rank leaves for the next ring with them
     instead of learning of it from a torn-down connection. (It persists nothing: the ranks with data do.)"""
-    changed, _persist, stop = (list(values) + [0, 0, 0])[:3]
+    changed, _persist, stop = (list(values) + [0, 0, 0])[:3]  # (a 4th value, the persist's number, is not its)
     if changed or stop:
         membership.clear_membership_change()
         if stop:
@@ -86,6 +88,8 @@ class State:
         object.__setattr__(self, "_trust", CONSISTENT)    # how the live state came out of the last failure
         object.__setattr__(self, "_base", (0, 0, 0))      # (version, commits, applied steps) at the last sync
         object.__setattr__(self, "_commit_version", 0)
+        object.__setattr__(self, "_commit_round", 0)       # the ring's round when the last commit was taken
+        object.__setattr__(self, "_lineage", 0)           # resumes from a checkpoint behind this state (policy.StateOrder)
         object.__setattr__(self, "_checkpoint", None)
         object.__setattr__(self, "_writer", None)
         object.__setattr__(self, "_last_persist", time.monotonic())
@@ -123,6 +127,14 @@ class State:
         optimizers = [v for v in values if is_distributed_optimizer(v)]
         samplers = [v for v in values if isinstance(v, _POSITIONS)]
         modules = [v for v in values if isinstance(v, torch.nn.Module)]
+        if len(optimizers) == 1 and len(samplers) > 1:
+            names = sorted(n for n, h in self._handlers.items() if isinstance(h.value, _POSITIONS))
+            raise ValueError(
+                f"this State holds {len(samplers)} sampler positions ({', '.join(names)}) and one DistributedOptimizer: "
+                "the optimizer's steps advance the one position its training batches come from, and the state could "
+                "not tell which (with two, a failure would re-train or skip rows). Keep only the training "
+                "sampler / dataset shard in the State; a validation shard or evaluation sampler stays outside it (a "
+                "failure then restarts its evaluation epoch, which trains nothing), or give it a State of its own")
         sampler = samplers[0] if len(samplers) == 1 else None
         wants_global = [s for s in samplers if s.global_batch_size is not None]
         if wants_global and (len(optimizers) != 1 or sampler is None):
@@ -150,12 +162,12 @@ class State:
         MembershipChanged or TrainingStopped on every rank. The state is snapshotted only when the notices
         ask for a durable write (a drain, a stop): a join's re-form hands over the live state, not a copy."""
         with timeline.span("boundary", "state", step=self._applied()):
-            changed, persist, stop = self._agree_notices()
-            if not (changed or stop):
+            changed, persist, stop, persist_id = self._agree_notices()
+            if not (changed or stop or persist):
                 return
             if persist or stop:  # every rank agreed on the same flags: commit counts stay equal
                 self._take_commit()
-            self._act_on_notices(persist, stop)
+            self._act_on_notices(changed, persist, stop, persist_id)
 
     @property
     def names(self) -> list[str]:
@@ -197,45 +209,80 @@ class State:
         self._save()
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_version", self.version)
+        object.__setattr__(self, "_commit_round", er.round_id() if er.is_initialized() else 0)
+
+    @property
+    def commit_order(self) -> StateOrder:
+        """Where the last commit stands in the job's history: (lineage, round, version); a durable checkpoint of it
+        carries this order, and the newest checkpoint is the one with the newest order (``policy.order_key``)."""
+        return StateOrder(self._lineage, self._commit_round, self._commit_version)
 
     def check_membership(self) -> None:
         """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
         pending change, or :class:`TrainingStopped` if the job must stop; persist first if asked."""
-        changed, persist, stop = self._agree_notices()
-        if changed or stop:
-            self._act_on_notices(persist, stop)
+        changed, persist, stop, persist_id = self._agree_notices()
+        if changed or stop or persist:
+            self._act_on_notices(changed, persist, stop, persist_id)
 
-    def _agree_notices(self) -> tuple[int, int, int]:
-        """The one collective in which every rank learns the notices of any rank: (changed, persist, stop)."""
+    def _agree_notices(self) -> tuple[int, int, int, int]:
+        """The one collective in which every rank learns the notices of any rank: (changed, persist, stop, and
+        the driver's number of the persist it asked for: a rank whose own notice has not arrived yet still tags
+        the write with it)."""
         if not er.is_initialized():
-            return 0, 0, 0
+            return 0, 0, 0, 0
+        notice = membership.pending()
         try:
-            changed, persist, stop = er.agree_max("State.commit", [int(membership.membership_change_requested()),
-                                                                   int(membership.persist_requested()),
-                                                                   int(membership.stop_requested())])
+            changed, persist, stop, persist_id = er.agree_max(
+                "State.commit", [int(notice.change), int(notice.persist), int(notice.stop), notice.persist_id])
         except er.CommError as exc:
             exc.live_state_consistent = True  # the commit is complete: the state is whole
             raise
-        return changed, persist, stop
+        return changed, persist, stop, persist_id
 
-    def _act_on_notices(self, persist: int, stop: int) -> None:
-        """Consume the notices, write the last commit durably if asked, and raise on every rank."""
-        membership.clear_membership_change()
-        if persist or stop:
-            if self._writer is None:
-                _log.warning("asked to persist this commit, but no checkpoint_uri is set; continuing without")
-            else:
-                try:
-                    uri = self.persist_now()
-                except CheckpointError as exc:  # a checkpoint_failed event already says so; the ring goes on
-                    _log.error("the durable write of this commit (asked for by the driver) failed: %s; the ring "
-                               "goes on, and a stop's final flush reports it in the run's result", exc)
-                    uri = None
-                if uri is not None:
-                    _log.info("persisted %s", uri)
+    def _act_on_notices(self, changed: int, persist: int, stop: int, persist_id: int = 0) -> None:
+        """Consume the notices and write the last commit durably if asked; then raise on every rank, unless the
+        notice asked for the write alone (the driver's just-in-time write before a preemption deadline: the ring
+        trains on). A driver's write (a drain's) goes to the writer without waiting for it: the ring re-forms at
+        once, and the leaving rank 0 flushes it before it leaves."""
+        persist_by = membership.persist_by()
+        membership.clear_membership_change(persist_id)
         if stop:
+            self._persist_for_stop()
             raise TrainingStopped("the job was asked to stop; this commit is the last")
-        raise er.MembershipChanged("the ring's membership changes at this commit")
+        if persist:
+            self._persist_asked(persist_id, persist_by)
+        if changed:
+            raise er.MembershipChanged("the ring's membership changes at this commit")
+
+    def _persist_for_stop(self) -> None:
+        if self._writer is None:
+            _log.warning("asked to persist this commit, but no checkpoint_uri is set; continuing without")
+            return
+        try:
+            uri = self.persist_now()
+        except CheckpointError as exc:  # a checkpoint_failed event already says so; the final flush reports it
+            _log.error("the durable write of this commit (asked for by the driver) failed: %s; a stop's final "
+                       "flush reports it in the run's result", exc)
+            uri = None
+        if uri is not None:
+            _log.info("persisted %s", uri)
+
+    def _persist_asked(self, persist_id: int, persist_by: float | None) -> None:
+        """Hand the last commit to the writer for the driver's request ``persist_id`` (rank 0; no wait). Its
+        events carry the number, so the driver knows this commit was saved; a transient failure is retried until
+        ``persist_by`` (the drain's deadline on this process's clock)."""
+        if self._writer is None:
+            _log.warning("asked to persist this commit, but no checkpoint_uri is set; continuing without")
+            return
+        if er.is_initialized() and er.rank() != 0:
+            return
+        tree, meta = self._persist_source()
+        tags = {"persist": persist_id} if persist_id else {}
+        self._writer.submit_copy(tree, meta, tags=tags, retry_until=persist_by)
+        listener = hooks.listener()
+        if listener is not None and persist_id:
+            listener({"kind": "persist_started", "persist": persist_id, "order": meta["order"],
+                      "commits": meta["commits"]})
 
     @property
     def committed(self) -> bool:
@@ -297,7 +344,8 @@ class State:
                     self.restore()
                 elif decision.mode is Mode.FRESH and self._checkpoint is not None:
                     self._resume()
-            names = er.broadcast_object(self.names, root, name="State.sync names")
+            names, lineage = er.broadcast_object((self.names, self._lineage), root, name="State.sync names")
+            object.__setattr__(self, "_lineage", lineage)
             if names != self.names:
                 raise ValueError(f"rank {er.rank()} holds state values {self.names}, root holds {names}; "
                                  "build the same TorchState on every rank")
@@ -317,6 +365,7 @@ class State:
             object.__setattr__(self, "_trust", CONSISTENT)
             self._save()
             object.__setattr__(self, "_commit_version", version)
+            object.__setattr__(self, "_commit_round", er.round_id())
             if decision.mode is not Mode.FRESH and (decision.mode is Mode.ROLLBACK or statuses != [status] * len(statuses)):
                 _log.info("synced from rank %d (%s state, version %d)", root, decision.mode.value, version)
 
@@ -359,10 +408,9 @@ class State:
             trusted=trusted, max_consecutive_failures=max_consecutive_failures, signing_key=signing_key))
 
     def _use_checkpointing(self, config: CheckpointConfig) -> None:
-        # config.lease_generation is not passed to the store yet: state checkpoints are fenced by the lease's
-        # generation from issue 32 on (CheckpointStore(..., lease_generation=config.lease_generation))
+        # fenced by the lease's generation (before the claim, before the manifest, after it), as reported ones are
         store = CheckpointStore(config.uri, keep_last=config.keep_last, run_id=config.run_id, trusted=config.trusted,
-                                signing_key=config.signing_key)
+                                signing_key=config.signing_key, lease_generation=config.lease_generation)
         object.__setattr__(self, "_checkpoint", config)
         object.__setattr__(self, "_writer", BackgroundWriter(store, config.max_consecutive_failures))
 
@@ -371,8 +419,9 @@ class State:
         return self._writer.store if self._writer is not None else None
 
     def _persist_source(self) -> tuple[dict, dict]:
-        """The last commit and its meta, read by the writer when it starts a write (in this thread)."""
-        return self._snapshot, {"commits": self._commits, "names": self.names}
+        """The last commit and its meta (its state's order among them), read by the writer when it starts a write
+        (in this thread)."""
+        return self._snapshot, {"commits": self._commits, "names": self.names, "order": self.commit_order.as_list()}
 
     def _maybe_persist(self) -> None:
         config = self._checkpoint
@@ -404,6 +453,8 @@ class State:
             handler.load_tree(tree[name])
         info = {**info, "epoch": tree.get("epoch"), "step": tree.get("step")}  # when the state keeps them
         object.__setattr__(self, "resumed_from", info)
+        order = StateOrder.parse((info.get("meta") or {}).get("order"))
+        object.__setattr__(self, "_lineage", (order.lineage if order is not None else 0) + 1)  # newer than it
         _log.info("resumed from checkpoint %s at epoch %s, step %s (commit %s)", info["uri"], info["epoch"],
                   info["step"], info["meta"].get("commits"))
         if _resume_listener is not None:
