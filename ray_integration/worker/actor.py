@@ -72,8 +72,8 @@ def fate(exc: BaseException) -> Fate:
         return Fate.LEAVE
     if isinstance(exc, WorkerError):
         return Fate.RAISE
-    if isinstance(exc, er.RendezvousError) and not _authentication_failure(exc):
-        return Fate.GIVE_UP
+    if isinstance(exc, er.RendezvousError) and not _authentication_failure(exc) or isinstance(exc, WorkerGaveUp):
+        return Fate.GIVE_UP  # (WorkerGaveUp: an input it could not read, InputUnavailable)
     return Fate.ERROR
 
 

@@ -31,7 +31,7 @@ from .sequenced import MANIFEST, Kind, SequencedWriter
 from .transport import HashingWriter, Location
 
 FORMAT = "elastic_ring.checkpoint/2"
-_READABLE = ("elastic_ring.checkpoint/1", FORMAT)
+READABLE = ("elastic_ring.checkpoint/1", FORMAT)
 DATA = "data.pt"
 
 
@@ -139,7 +139,7 @@ class CheckpointStore:
     def _manifest(self, seq: int) -> dict:
         path = f"{self.writer.url(self.writer.dir(seq))}/{MANIFEST}"
         manifest = self.writer.read_manifest(seq)
-        if not isinstance(manifest, dict) or manifest.get("format") not in _READABLE:
+        if not isinstance(manifest, dict) or manifest.get("format") not in READABLE:
             found = manifest.get("format") if isinstance(manifest, dict) else None
             raise CheckpointRefused(f"{path} is not an elastic_ring checkpoint (format {found!r}, "
                                     f"expected {FORMAT!r}); point checkpoint_uri at this job's checkpoints")
