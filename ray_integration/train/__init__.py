@@ -19,6 +19,7 @@ is :func:`ray_integration.load_checkpoint`.
 from ._checkpoint import get_checkpoint
 from ._context import TrainContext, get_context
 from ._dataset import get_dataset_shard
+from ._preemption import get_preemption_info
 from ._report import report
 
-__all__ = ["TrainContext", "get_checkpoint", "get_context", "get_dataset_shard", "report"]
+__all__ = ["TrainContext", "get_checkpoint", "get_context", "get_dataset_shard", "get_preemption_info", "report"]
