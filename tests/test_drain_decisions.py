@@ -77,9 +77,10 @@ def test_drain_step(needs, notified, takers, left_s, drain, expected):
     # the final write landed: wait for a taker while the deadline allows, let them go DRAIN_MARGIN_S before it
     (2, 0, 10.0, D(need=0.3, final=P(final=True, saved=True)), True, KeepersStep.WAIT, False),
     (2, 0, 2.2, D(need=0.3, final=P(final=True, saved=True)), True, KeepersStep.RELEASE, True),
-    # still landing: they go near the deadline all the same (the leaving rank 0 flushes it before it returns)
+    # still landing: they wait for it, and go at the last moment all the same (the leaving rank 0 flushes it)
     (2, 0, 10.0, D(need=0.3, final=P(final=True)), True, KeepersStep.WAIT, False),
-    (2, 0, 3.0, D(need=0.3, final=P(final=True)), True, KeepersStep.RELEASE, False),
+    (2, 0, 3.0, D(need=0.3, final=P(final=True)), True, KeepersStep.WAIT, False),
+    (2, 0, 0.9, D(need=0.3, final=P(final=True)), True, KeepersStep.RELEASE, False),
     # no final write yet (a notice seen while re-forming, or a holder lost during the drain): train on if enough
     # of them for min_workers and it is not due, else a ring that only writes
     (2, 0, 12.0, D(need=0.3), True, KeepersStep.TRAIN, False),

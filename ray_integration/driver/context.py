@@ -62,6 +62,7 @@ class Context:
     ever_had_state: bool                     # some worker completed a sync (held the job's state)
     checkpoint: str | None                   # the newest durable checkpoint of the job's state
     drain: DrainView | None = None           # members are leaving: the drain's writes the driver asked for
+    write_landing: bool = False              # a write the driver asked for is on its way (its writer works on it)
     start_diagnosis: str | None = None       # set by DiagnoseStart: why fewer than min_workers started
 
 

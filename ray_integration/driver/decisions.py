@@ -166,10 +166,11 @@ class ReformDecision:
 
 def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_had_state: bool,
                     waited_s: float, limits: Limits, checkpoint: bool = False,
-                    drain: DrainView | None = None, round_id: int = 0) -> ReformDecision:
+                    drain: DrainView | None = None, round_id: int = 0, write_landing: bool = False) -> ReformDecision:
     """The re-forming ring's next step. ``waited_s``: since the re-form began (driver clock);
     ``checkpoint``: a durable checkpoint of the job's state exists (written or resumed in this run);
-    ``drain``: the current drain's writes (:mod:`.drains`), None when no member is leaving."""
+    ``drain``: the current drain's writes (:mod:`.drains`), None when no member is leaving; ``write_landing``: a
+    write the driver asked for is still on its way (its writer works on it)."""
     alive = [m for m in members if m.alive]
     if any(m.finished for m in alive) and all(m.finished or m.waiting is not None for m in alive):
         return ReformDecision(Step.FINISH)
@@ -194,6 +195,8 @@ def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_ha
         return _keepers(keepers, len(staying) + joiners, waited_s, limits, drain, checkpoint, round_id)
     if checkpoint:   # every holder is gone, but the state is durable: resume from it in this run
         return _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits, resume=True)
+    if write_landing:  # the leavers went while their final write was landing: its outcome decides
+        return ReformDecision(Step.WAIT)
     return ReformDecision(Step.FAIL, (
         "every worker that held the job's state was lost at once (the rest had just joined and not yet received "
         "it), and no durable checkpoint exists; nothing can be recovered. Set checkpoint_uri to resume after "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..config import Limits
 
@@ -35,6 +36,9 @@ MEASURED = 5
 #: A leaving holder with no taker is let go (its state in a checkpoint) this long before its node's drain
 #: deadline, so that it leaves by itself rather than being killed with the node.
 DRAIN_MARGIN_S = 5.0
+#: While the final write is still landing, the leavers wait for it until this long before the deadline; then they
+#: go all the same (the leaving rank 0 flushes it before it returns, until its node goes).
+RELEASE_LATE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,9 @@ def keepers_step(keepers: int, takers: int, left_s: float | None, waited_s: floa
     final = drain.final if drain is not None else None
     if final is not None and final.saved:
         return Keepers(KeepersStep.RELEASE, saved=True) if near else Keepers(KeepersStep.WAIT)
-    if final is not None and final.pending(round_id) and final.started:
-        return Keepers(KeepersStep.RELEASE) if near else Keepers(KeepersStep.WAIT)  # it lands while they leave
+    if final is not None and final.pending(round_id) and final.started:  # landing: wait for it while time allows
+        late = left_s <= RELEASE_LATE_S if left_s is not None else waited_s > limits.capacity_wait_s
+        return Keepers(KeepersStep.RELEASE) if late else Keepers(KeepersStep.WAIT)
     if drain is not None and drain.can_persist and (left_s is None or left_s > (drain.need_s or 0.0)):
         if keepers >= max(1, limits.min_workers) and not persist_due(left_s, drain):
             return Keepers(KeepersStep.TRAIN)
@@ -150,6 +155,7 @@ class _Persist:
     started: bool = False
     landed_at: float | None = None
     failed: bool = False
+    writer: str | None = None  # the worker that took the commit (its persist_started event)
 
 
 @dataclass
@@ -165,13 +171,14 @@ class PersistLog:
         self.persists[persist_id] = _Persist(persist_id, final, round_id, now)
         return persist_id
 
-    def apply(self, event: dict, now: float) -> None:
+    def apply(self, event: dict, now: float, worker: str | None = None) -> None:
+        """A checkpoint event of ``worker``."""
         persist_id = event.get("persist")
         if not isinstance(persist_id, int) or isinstance(persist_id, bool) or persist_id not in self.persists:
             return
         kind = event.get("kind")
         if kind == "persist_started":
-            self.persists[persist_id].started = True
+            self.persists[persist_id].started, self.persists[persist_id].writer = True, worker
         elif kind == "checkpoint_written":
             for asked in self.persists.values():
                 if asked.persist_id <= persist_id and asked.landed_at is None:
@@ -180,6 +187,12 @@ class PersistLog:
                         self.measured = (self.measured + [now - asked.asked_at])[-MEASURED:]
         elif kind == "checkpoint_failed" and self.persists[persist_id].landed_at is None:
             self.persists[persist_id].failed = True
+
+    def landing(self, working: Callable[[str], bool]) -> bool:
+        """A write the driver asked for is still on its way: started, neither landed nor failed, and its writer
+        still works (``working(worker)``: alive and not returned; a writer that returned flushed it or failed)."""
+        return any(p.started and p.landed_at is None and not p.failed and p.writer is not None and working(p.writer)
+                   for p in self.persists.values())
 
     def view(self, since: float | None, now: float, can_persist: bool) -> DrainView:
         """The drain that began at ``since`` (driver clock): its newest probe and final write."""

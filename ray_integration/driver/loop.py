@@ -111,7 +111,9 @@ class Driver:
                                  for r in self.pool.start_failures),
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
             ever_had_state=any(r.has_state for r in records), checkpoint=self.pool.durable_checkpoint,
-            drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis)
+            drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis,
+            write_landing=self.pool.persists.landing(
+                lambda w: w in self.pool.records and not self.pool.records[w].dead and not self.pool.records[w].finished))
 
     def drain_view(self, members: list[WorkerRecord], now: float) -> DrainView | None:
         """The writes asked for since the ring's current leavers began leaving (None: nobody is leaving)."""

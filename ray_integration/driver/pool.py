@@ -294,7 +294,7 @@ class WorkerPool:
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
             if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
                 self.durable_checkpoint = msg["event"]["uri"]
-            self.persists.apply(msg["event"], now)
+            self.persists.apply(msg["event"], now, record.worker_id)
 
     def _fault(self, record: WorkerRecord, msg: dict, now: float) -> None:
         record.fault = f"{msg.get('what')}: {msg.get('error')}"

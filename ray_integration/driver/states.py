@@ -267,7 +267,7 @@ class Reforming(DriverState):
         joiners = () if stopping else ctx.joiners
         decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,
                                              ctx.now - self.since, ctx.limits, checkpoint=ctx.checkpoint is not None,
-                                             drain=ctx.drain, round_id=ctx.round_id)
+                                             drain=ctx.drain, round_id=ctx.round_id, write_landing=ctx.write_landing)
         if decision.step is Step.WAIT:
             if stopping and decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
                 return _stop_overdue(ctx)

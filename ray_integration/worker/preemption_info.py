@@ -9,6 +9,15 @@ from typing import Any
 from elastic_ring.collectives.preemption import Preemption
 
 
+def prepare() -> None:
+    """Import Ray Train's class now (importing ``ray.train`` takes seconds: better in the thread that receives the
+    driver's notice than in fn's call of the collective, where every other rank would wait for it)."""
+    try:
+        import ray.train  # noqa: F401
+    except ImportError:
+        pass
+
+
 def preemption_info(deadline_ms: int | None, node_to_ranks: dict[str, list[int]]) -> Any:
     try:
         from ray.train import PreemptionInfo

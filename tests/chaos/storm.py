@@ -77,12 +77,17 @@ def steps_redone(lines: list[tuple[int, int]]) -> dict[int, int]:
     return redone
 
 
-def read_step_logs(directory: str) -> list[tuple[int, int]]:
+def read_step_logs(directory: str, with_time: bool = False) -> list[tuple]:
+    """Every process's ``(round, step)`` lines (``with_time``: ``(round, step, wall time)``)."""
     lines = []
     for name in os.listdir(directory):
         if name.startswith("steps-") and name.endswith(".log"):
             with open(os.path.join(directory, name)) as f:
-                lines += [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 2:
+                        row = (int(parts[0]), int(parts[1]))
+                        lines.append(row + (float(parts[2]),) if with_time and len(parts) > 2 else row)
     return lines
 
 
