@@ -193,3 +193,16 @@ def test_what_the_members_are_told_of_their_nodes_drains():
     gone = Ring(round_id=3, worker_ids=("c",), node_ids=("n2",))
     assert told.notice(gone, records, {"n1": 1700000015000}) == {"seq": 3, "deadline_ms": None, "nodes": {}}
     assert told.notice(gone, records, {"n1": 1700000015000}) is None
+
+
+def test_leavers_let_go_while_the_others_re_form_do_not_finish_the_job():
+    """A leaving member released (its fn returned) while staying members wait for capacity is not the job's end."""
+    from ray_integration.driver.decisions import Outcome, running_outcome
+
+    members = [M("a", finished=True, leaving=True), M("j", waiting="membership", has_state=True)]
+    assert reform_decision(members, 0, False, True, 1.0, LIMITS).step is Step.WAIT
+    assert running_outcome([M("a", finished=True, leaving=True), M("j")]) is Outcome.CONTINUE
+    assert reform_decision([M("a", finished=True, leaving=True), M("b", finished=True, leaving=True)], 0, False, True,
+                           1.0, LIMITS).step is Step.FINISH   # fn returned everywhere: the job is done
+    assert reform_decision([M("a", finished=True), M("j", waiting="membership", has_state=True)], 0, False, True,
+                           1.0, LIMITS).step is Step.FINISH

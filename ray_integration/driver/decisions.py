@@ -122,6 +122,12 @@ def driver_stalled(gap_s: float, since_last_grace_s: float, limits: Limits) -> b
 STALL_GAP_MIN_S = 1.0
 
 
+def _returned(alive: list[MemberView]) -> bool:
+    """fn returned on the ring: on a member that stays, or on every member (a leaving member that was let go has
+    finished too, but the job has not)."""
+    return any(m.finished and not m.leaving for m in alive) or bool(alive) and all(m.finished for m in alive)
+
+
 class Outcome(enum.Enum):
     CONTINUE = "continue"
     FINISH = "finish"
@@ -132,7 +138,7 @@ class Outcome(enum.Enum):
 def running_outcome(members: list[MemberView]) -> Outcome:
     """What the running ring's members say: keep going, it is done, or it must re-form (and why)."""
     alive = [m for m in members if m.alive]
-    if any(m.finished for m in alive) and all(m.finished or m.waiting == "failure" for m in alive):
+    if _returned(alive) and all(m.finished or m.waiting == "failure" for m in alive):
         return Outcome.FINISH   # fn returned; a peer lost at the very end does not undo that
     if any(m.dead for m in members) or any(m.waiting == "failure" for m in alive):
         return Outcome.REFORM_FAILURE
@@ -172,7 +178,7 @@ def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_ha
     ``drain``: the current drain's writes (:mod:`.drains`), None when no member is leaving; ``write_landing``: a
     write the driver asked for is still on its way (its writer works on it)."""
     alive = [m for m in members if m.alive]
-    if any(m.finished for m in alive) and all(m.finished or m.waiting is not None for m in alive):
+    if _returned(alive) and all(m.finished or m.waiting is not None for m in alive):
         return ReformDecision(Step.FINISH)
     staying = [m for m in alive if not m.leaving and not m.finished]
     leaving = [m for m in alive if m.leaving and not m.finished]

@@ -103,7 +103,7 @@ def _stop_overdue(ctx: Context) -> DriverState:
 
 def _finish(ctx: Context) -> Steps:
     """fn returned on some members; the value is the lowest finished rank's (rank 0's unless it was lost)."""
-    done = [m for m in ctx.members if m.finished and not m.dead]
+    done = sorted((m for m in ctx.members if m.finished and not m.dead), key=lambda m: m.leaving)  # stayers first
     waiting = tuple(m.worker_id for m in ctx.members if m.waiting is not None)
     if waiting:
         yield StopWorkers(waiting, "the job finished")
