@@ -339,8 +339,9 @@ class ElasticDataShard(ElasticSampler):
         self._warned_unheld = True
         warnings.warn(
             f"shard {self.name!r} is iterated in a ring, but no State holds its position: a failure would lose its "
-            f"place in the epoch. Keep it in the state, TorchState(..., sampler=shard), and iterate it inside "
-            f"@er.elastic.run", RuntimeWarning,
+            f"place in the epoch. If it feeds training steps, keep it in the state, TorchState(..., sampler=shard), "
+            f"and iterate it inside @er.elastic.run (a validation shard may stay outside: a failure then restarts "
+            f"its evaluation epoch)", RuntimeWarning,
             stacklevel=4)
 
     def _use(self, batch_size: Any, drop_last: Any, local_shuffle_buffer_size: Any, prefetch_batches: Any,
