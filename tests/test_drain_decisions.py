@@ -206,3 +206,17 @@ def test_leavers_let_go_while_the_others_re_form_do_not_finish_the_job():
                            1.0, LIMITS).step is Step.FINISH   # fn returned everywhere: the job is done
     assert reform_decision([M("a", finished=True), M("j", waiting="membership", has_state=True)], 0, False, True,
                            1.0, LIMITS).step is Step.FINISH
+
+
+def test_a_final_write_still_landing_is_waited_for_before_failing():
+    """The leavers went while their final write was landing (no checkpoint known yet): the write's outcome
+    decides, not the moment; once its writer returned without it landing, the run fails (no checkpoint)."""
+    log = PersistLog()
+    final = log.ask(final=True, round_id=2, now=1.0)
+    log.apply({"kind": "persist_started", "persist": final}, now=1.1, worker="w0")
+    assert log.landing(lambda w: w == "w0") and not log.landing(lambda w: False)
+    assert reform_decision([], 2, False, True, 1.0, LIMITS, checkpoint=False, write_landing=True).step is Step.WAIT
+    assert reform_decision([], 2, False, True, 1.0, LIMITS, checkpoint=False).step is Step.FAIL
+    assert reform_decision([], 2, False, True, 1.0, LIMITS, checkpoint=True).step is Step.FORM   # landed: resume
+    log.apply({"kind": "checkpoint_written", "persist": final, "uri": "ckpt-2"}, now=1.4, worker="w0")
+    assert not log.landing(lambda w: True)

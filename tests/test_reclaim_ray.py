@@ -40,7 +40,7 @@ def _wait(predicate, timeout_s, what, thread, box, events):
                        f"); events: " + "\n".join(f"{e.kind} r{e.round_id} {e.detail}" for e in events))
 
 
-def notice_without_spare_capacity(cluster, tmp_path, notice_s: int, ask_preemption: bool) -> dict:
+def notice_without_spare_capacity(cluster, tmp_path, notice_s: int, ask_preemption: bool, min_trained_s: float) -> dict:
     holder = cluster.add_node(num_cpus=2, resources={"slot": 2})
     cluster.wait_for_nodes()
     chaos = tmp_path / "chaos"
@@ -73,36 +73,35 @@ def notice_without_spare_capacity(cluster, tmp_path, notice_s: int, ask_preempti
     value = result.value
     assert value["exact"] and value["identical"] and value["seen"] == [float(value["epochs"])] * invariant_job.N_SAMPLES
     assert "worker_lost" not in kinds, [e.detail for e in result.events if e.kind == "worker_lost"]
-    asked = [e.detail for e in result.events if e.kind == "persist_requested" and e.detail.get("why") == "drain"]
-    assert [a["final"] for a in asked] == [False, True], asked           # a probe at the notice, then the final
-    released = [e.detail for e in result.events if e.kind == "drain_released"]
-    assert released_by_then == 1 and released and released[0]["saved"] is True, "\n".join(
-        f"{e.kind} r{e.round_id} {e.detail}" for e in result.events)
-    assert "resuming_from_checkpoint" in kinds and "resumed_from_checkpoint" in kinds, kinds
     lines = storm.read_step_logs(str(chaos), with_time=True)
     first_ring = [t for r, s, t in lines if r == 1]
     trained_s = max(first_ring) - noticed
     redone = storm.steps_redone([(r, s) for r, s, _ in lines])
-    need = max(a["deadline_s"] - 0 for a in asked[1:])
+    asked = [e.detail for e in result.events if e.kind == "persist_requested" and e.detail.get("why") == "drain"]
+    need = asked[-1]["deadline_s"] if asked else float("nan")
     told_path = chaos / "preemption.json"   # (fn asked get_preemption_info() at every step)
     told = json.loads(told_path.read_text()) if told_path.exists() else {"ranks": None, "time": float("nan")}
     print(f"notice {notice_s} s, no spare capacity: trained {trained_s:.1f} s of the notice (final write asked "
           f"{need:.1f} s before the deadline), steps redone after the resume {sorted(redone.values())}; "
           f"get_preemption_info told ranks {told['ranks']} {told['time'] - noticed:.1f} s after the notice; "
           f"{ {k: round(v, 1) for k, v in phases.items()} }")
+    assert trained_s >= min_trained_s, (trained_s, min_trained_s)
+    assert redone and max(redone.values()) == 0, redone                 # not one step trained twice
+    released = [e.detail for e in result.events if e.kind == "drain_released"]
+    assert released_by_then == 1 and released and released[0].get("saved") is True, "\n".join(
+        f"{e.kind} r{e.round_id} {e.detail}" for e in result.events)
+    assert "resuming_from_checkpoint" in kinds and "resumed_from_checkpoint" in kinds, kinds
+    assert [a.get("final") for a in asked] == [False, True], asked     # a probe at the notice, then the final
     if ask_preemption:  # Ray Train's type, the ranks on the node, Ray's own deadline
         assert told.get("type") == "ray.train.PreemptionInfo" and told["ranks"] == [0, 1], told
         assert abs(told["deadline_ms"] / 1000 - (noticed + notice_s)) < 1.0, told
-    assert redone and max(redone.values()) == 0, redone                 # not one step trained twice
     return {"trained_s": trained_s, "redone": redone}
 
 
 def test_a_short_notice_with_no_spare_capacity_trains_on_writes_just_in_time_and_redoes_nothing(cluster, tmp_path):
-    got = notice_without_spare_capacity(cluster, tmp_path, notice_s=6, ask_preemption=False)
-    assert got["trained_s"] >= 1.5, got
+    notice_without_spare_capacity(cluster, tmp_path, notice_s=6, ask_preemption=False, min_trained_s=1.5)
 
 
 @pytest.mark.slow  # ~60 s: the target
 def test_a_15_s_notice_with_no_spare_capacity_trains_10_s_of_it_and_redoes_nothing(cluster, tmp_path):
-    got = notice_without_spare_capacity(cluster, tmp_path, notice_s=15, ask_preemption=True)
-    assert got["trained_s"] >= 10.0, got
+    notice_without_spare_capacity(cluster, tmp_path, notice_s=15, ask_preemption=True, min_trained_s=10.0)
