@@ -18,11 +18,15 @@ from elastic_ring.core.log import get_logger
 from .checkpoints import hooks
 from .checkpoints.background import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
 from .checkpoints.config import CheckpointConfig
+from .checkpoints.faults import backoff_delay, describe, is_transient
 from .checkpoints.policy import StateOrder
 from .checkpoints.store import CheckpointStore
 from .errors import CheckpointError
 
 _log = get_logger(__name__)
+
+#: How long resuming reads the location again after transient storage errors (a listing that fails for a while).
+RESUME_RETRY_S = 30.0
 
 #: Called with the checkpoint's info when a State resumes from one (the worker
 #: runtime forwards it to the driver's result.events).
@@ -96,7 +100,7 @@ class Durable:
         return self._writer.flush(timeout_s)
 
     def _resume(self) -> None:
-        loaded = self._writer.store.load_latest(expected_names=self.names)
+        loaded = self._load_latest()
         if loaded is None:
             return
         tree, info = loaded
@@ -110,6 +114,22 @@ class Durable:
                   info["step"], info["meta"].get("commits"))
         if _resume_listener is not None:
             _resume_listener(info)
+
+    def _load_latest(self) -> Any:
+        """The newest valid checkpoint; a listing or a read failing with a transient storage error (a blip of the
+        storage) is tried again with backoff for :data:`RESUME_RETRY_S` before it ends the resume."""
+        started, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
+            try:
+                return self._writer.store.load_latest(expected_names=self.names)
+            except (OSError, CheckpointError) as exc:
+                delay = backoff_delay(attempt, 0.5, 4.0)
+                if not is_transient(exc) or time.monotonic() - started + delay > RESUME_RETRY_S:
+                    raise
+                _log.warning("reading the newest checkpoint at %s failed (%s); trying again in %.1f s",
+                             self._writer.store.uri, describe(exc), delay)
+                time.sleep(delay)
 
     def _persist_for_stop(self) -> None:
         if self._writer is None:

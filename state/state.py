@@ -189,7 +189,7 @@ class State(Durable):
         with timeline.span("commit", "state", commit=self._commits + 1):
             self._take_commit()
             self._maybe_persist()
-            self.check_membership()
+            self._check_notices(just_committed=True)
 
     def _take_commit(self) -> None:
         """Snapshot the state as the next commit (local)."""
@@ -206,9 +206,15 @@ class State(Durable):
 
     def check_membership(self) -> None:
         """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
-        pending change, or :class:`TrainingStopped` if the job must stop; persist first if asked."""
+        pending change, or :class:`TrainingStopped` if the job must stop; when a durable write is asked, the
+        live state is committed first (every rank agreed on it: commit counts stay equal) and written."""
+        self._check_notices(just_committed=False)
+
+    def _check_notices(self, just_committed: bool) -> None:
         changed, persist, stop, persist_id = self._agree_notices()
         if changed or stop or persist:
+            if (persist or stop) and not just_committed:
+                self._take_commit()  # the write holds the live state, as the driver's number says
             self._act_on_notices(changed, persist, stop, persist_id)
 
     def _agree_notices(self) -> tuple[int, int, int, int]:

@@ -101,6 +101,31 @@ def test_get_checkpoint_reads_again_then_makes_the_worker_a_lost_worker(tmp_path
         set_checkpoint_listener(None)
 
 
+def test_resuming_reads_a_location_that_cannot_be_listed_for_a_while_again(tmp_path):
+    """The first sync of a resumed run (rank 0 reads the newest checkpoint) rides out a listing that fails for a
+    while (EIO) instead of ending the run."""
+    import threading
+
+    import torch.distributed as dist
+
+    from state import TorchState
+
+    loc = tmp_path / "loc"
+    CheckpointStore(str(loc)).save({"step": 7}, {"names": ["step"], "order": [0, 3, 9]})
+    (loc / "UNLISTABLE").touch()
+    threading.Timer(1.0, (loc / "UNLISTABLE").unlink).start()   # the storage answers again after a second
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    er.init(er.RingSpec(round_id=1, rank=0, world_size=1, node_ids=("local",),
+                        store=er.StoreAddress("127.0.0.1", store.port), job_id="resume-blip"))
+    try:
+        state = TorchState(step=0)
+        state.enable_checkpoints(f"unlistable://{loc}", every_n_commits=10)
+        state.sync()
+        assert state.step == 7 and state.commit_order.lineage == 1
+    finally:
+        er.shutdown()
+
+
 def test_load_checkpoint_reads_a_state_checkpoint_of_a_location_named_reported(tmp_path):
     loc = str(tmp_path / "runs" / "reported")
     uri = CheckpointStore(loc).save({"epoch": 4})
