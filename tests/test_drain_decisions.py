@@ -220,3 +220,21 @@ def test_a_final_write_still_landing_is_waited_for_before_failing():
     assert reform_decision([], 2, False, True, 1.0, LIMITS, checkpoint=True).step is Step.FORM   # landed: resume
     log.apply({"kind": "checkpoint_written", "persist": final, "uri": "ckpt-2"}, now=1.4, worker="w0")
     assert not log.landing(lambda w: True)
+
+
+@pytest.mark.parametrize("drain, left_s, expected, keep, release", [
+    # staying members hold the state, but without the leaver the ring is below min_workers (2): the leaver stays
+    # in the ring and trains until the final write is due
+    (D(need=0.3, probe=P(saved=True)), 14.0, Step.FORM, True, False),
+    # the final write is due, on its way, or landed: the leaver may go; the ring waits for capacity meanwhile
+    (D(need=0.3, probe=P(saved=True)), 2.0, Step.WAIT, False, True),
+    (D(need=0.3, final=P(final=True, started=True)), 10.0, Step.WAIT, False, True),
+    (D(need=0.3, final=P(final=True, saved=True)), 10.0, Step.WAIT, False, True),
+    # no checkpoint location: nothing to write, the leaver goes
+    (D(can=False), 14.0, Step.WAIT, False, True),
+])
+def test_a_leaver_whose_ring_would_be_too_small_stays_until_the_final_write(drain, left_s, expected, keep, release):
+    members = [M("a", waiting="membership", has_state=True),
+               M("b", waiting="membership", has_state=True, leaving=True, leave_in_s=left_s)]
+    decision = reform_decision(members, 0, False, True, 1.0, LIMITS, drain=drain, round_id=1)
+    assert (decision.step, decision.keep_leavers, decision.release_leavers) == (expected, keep, release), decision
