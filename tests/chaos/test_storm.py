@@ -148,7 +148,8 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
     assert value["exact"], (value["w"], invariant_job.expected_w(value["epochs"]).tolist(), controller.log)
     assert value["identical"] and value["seen"] == [float(value["epochs"])] * invariant_job.N_SAMPLES
     # every event is in the record
-    assert kinds.count("worker_lost") == storm.expected_losses(events), (kinds, controller.log)
+    assert kinds.count("worker_lost") == storm.expected_losses(events), (
+        [f"r{e.round_id} {e.detail}" for e in result.events if e.kind == "worker_lost"], kinds, controller.log)
     assert kinds.count("node_draining") == controller.drained, kinds
     assert kinds.count("driver_stalled") >= sum(e.kind == "driver_stall" for e in events), kinds
     if any(e.kind == "storage_blip" for e in events):   # the blip is retried or an event, never the end of the run
