@@ -238,3 +238,15 @@ def test_a_leaver_whose_ring_would_be_too_small_stays_until_the_final_write(drai
                M("b", waiting="membership", has_state=True, leaving=True, leave_in_s=left_s)]
     decision = reform_decision(members, 0, False, True, 1.0, LIMITS, drain=drain, round_id=1)
     assert (decision.step, decision.keep_leavers, decision.release_leavers) == (expected, keep, release), decision
+
+
+def test_leavers_kept_in_the_ring_never_take_a_stayers_or_a_joiners_place():
+    """Staying holder s (the ring without the leavers would be below min_workers=2): the leavers train on in the
+    room max_workers leaves after s and the ready joiner j; the other leavers go."""
+    limits = TrainerConfig(min_workers=3, max_workers=4).limits
+    members = (M("s", waiting="membership", has_state=True),) + tuple(
+        M(f"l{i}", waiting="membership", has_state=True, leaving=True, leave_in_s=60.0) for i in range(4))
+    actions, _ = drive(Reforming("membership", since=99.0), ctx(
+        limits=limits, members=members, joiners=("j",), ever_had_state=True, drain=D(need=0.3, probe=P(saved=True))))
+    assert c.StopWorkers(("l2", "l3"), "its node drains; it left the ring at the last commit") in actions, actions
+    assert c.Form(("s", "l0", "l1"), ("j",), reason="membership") in actions, actions

@@ -304,8 +304,9 @@ class Reforming(DriverState):
             staying = keepers + staying   # only leavers hold the state: they commit durably and stop
         elif handover or persist:
             staying = keepers + staying   # they sync the state to the others (handover) or write it (persist)
-        elif decision.keep_leavers:       # they train on until the drain's final write
-            staying = [m for m in members if not m.dead and m.leaving and not m.finished] + staying
+        elif decision.keep_leavers:       # they train on until the drain's final write, in the room left
+            room = max(0, ctx.limits.max_workers - len(staying) - len(joiners))  # (stayers and joiners first)
+            staying = staying + [m for m in members if not m.dead and m.leaving and not m.finished][:room]
         kept = {m.worker_id for m in staying}
         leavers = tuple(m.worker_id for m in members if m.leaving and not m.dead and m.worker_id not in kept)
         if leavers:

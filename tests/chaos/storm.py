@@ -142,6 +142,15 @@ class StormController:
         self.notices: list[tuple[float, float]] = []  # notice_no_spare: (noticed, removed) wall times
         self.stall_requested = threading.Event()
         self.stalled = threading.Event()
+        self.ring_nodes: list[str] = []  # the nodes (12-hex prefixes) of the newest ring, from its ring_formed event
+
+    def on_event(self, event) -> None:
+        """The trainer's on_event: the newest ring's nodes (a drained node goes only once no member is on it)."""
+        if event.kind == "ring_formed":
+            self.ring_nodes = list(event.detail.get("nodes") or [])
+
+    def _drained_nodes_in_use(self) -> bool:
+        return any(node.node_id[:12] in self.ring_nodes for node in self.to_remove)
 
     def on_report(self, record: dict) -> None:
         """The trainer's on_report (runs on the driver's loop): blocks it once when a stall is requested."""
@@ -166,7 +175,8 @@ class StormController:
             p = self.progress()
             if p is not None:
                 step, world, rnd, _ = p
-                if world == min(len(self.nodes), MAX_WORKERS) and rnd > self.last_round:
+                if world == min(len(self.nodes), MAX_WORKERS) and rnd > self.last_round and \
+                        not self._drained_nodes_in_use():  # (leavers may train on until the deadline)
                     first_step = step if first_step is None else first_step
                     if step >= first_step + gap_steps:
                         while self.to_remove:  # the drained nodes' workers have left: the nodes go

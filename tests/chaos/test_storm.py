@@ -128,7 +128,7 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
                              cpus_per_worker=1, heartbeat_timeout_s=3, max_failures=50, progress=False, **checkpoints)
     started = time.monotonic()
     thread, box = run_in_thread(trainer, {"chaos_dir": str(tmp_path), "clock_skew_s": clock_skew_s},
-                                fn=invariant_job.train, on_report=controller.on_report)
+                                fn=invariant_job.train, on_report=controller.on_report, on_event=controller.on_event)
     storm_error = None
     try:
         controller.run(events, thread.is_alive)
