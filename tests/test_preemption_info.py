@@ -52,6 +52,17 @@ def test_in_a_worker_it_is_ray_trains_own_preemption_info():
         preemption.install(None)
 
 
+def test_without_ray_train_imported_it_is_elastic_rings_type_with_the_same_fields(monkeypatch):
+    import sys
+
+    from elastic_ring.collectives.preemption import Preemption
+    from ray_integration.worker.preemption_info import preemption_info
+
+    monkeypatch.delitem(sys.modules, "ray.train", raising=False)   # a script that does not use ray.train
+    info = preemption_info(1700000009000, {"n2": [1], "n1": [0, 2]})
+    assert type(info) is Preemption and info.preempted_node_ids == ["n1", "n2"] and info.preempted_ranks == [0, 1, 2]
+
+
 def test_outside_a_ring_it_answers_this_process_notice():
     from elastic_ring.collectives import preemption
     from ray_integration.train import get_preemption_info

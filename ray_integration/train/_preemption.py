@@ -1,8 +1,8 @@
 """Ray Train's ``get_preemption_info()`` inside the training function.
 
 ``ElasticTrainer``'s workers answer it with Ray Train's own ``ray.train.PreemptionInfo`` (``deadline_ms``,
-``preempted_node_to_ranks``, ``preempted_node_ids``, ``preempted_ranks``) while a node hosting a rank of the ring
-drains, else ``None``; it is elastic_ring's ``er.get_preemption_info()`` (one implementation), a collective as Ray
+``preempted_node_to_ranks``, ``preempted_node_ids``, ``preempted_ranks``; elastic_ring's ``Preemption``, with the same
+fields, when the script does not use ``ray.train``) while a node hosting a rank of the ring drains, else ``None``; it is elastic_ring's ``er.get_preemption_info()`` (one implementation), a collective as Ray
 Train's is. What it buys a script: a just-in-time report of its own, e.g.::
 
     info = get_preemption_info()

@@ -40,7 +40,7 @@ from ..wire.channel import Channel
 from ..wire.protocol import Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
-from .preemption_info import prepare as prepare_preemption_info, preemption_info
+from .preemption_info import preemption_info
 from .rendezvous import WorkerRendezvous
 
 
@@ -247,9 +247,7 @@ class RingWorker:
         membership.post(membership.Notice(round_id, change, persist, stop, persist_id, by))
 
     def preemption_notice(self, notice: dict) -> None:
-        """The driver's preemption notice for the ring (``get_preemption_info()`` agrees on the newest one). Ray
-        Train's type is imported here first (seconds), in this Ray thread, not in fn's next call, inside a collective."""
-        prepare_preemption_info()
+        """The driver's preemption notice for the ring (``get_preemption_info()`` agrees on the newest one)."""
         preemption.post(notice)
 
     def stop_heartbeat(self) -> None:

@@ -174,6 +174,8 @@ def _write_pid(directory: str) -> None:
 
 
 def _note_preemption(directory: str, step: int) -> None:
+    import ray.train  # noqa: F401  (a Ray Train script imports it: its PreemptionInfo is then the type answered)
+
     from ray_integration.train import get_preemption_info
 
     info = get_preemption_info()  # every rank, every step: a collective
