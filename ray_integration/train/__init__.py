@@ -5,7 +5,8 @@
     from ray_integration.train.torch import TorchTrainer        # was: from ray.train.torch import TorchTrainer
 
 * The calls inside the training function: ``report(metrics, checkpoint=None, ...)`` (Ray Train's signature),
-  ``get_checkpoint()``, ``get_context()`` (a :class:`TrainContext`), ``get_dataset_shard(name)``. Under the drop-in
+  ``get_checkpoint()``, ``get_context()`` (a :class:`TrainContext`), ``get_dataset_shard(name)``,
+  ``get_preemption_info()`` (Ray Train's ``PreemptionInfo`` of this worker's node, or None). Under the drop-in
   ``TorchTrainer`` (:mod:`ray_integration.train.torch`) they follow Ray Train V2's semantics on an elastic ring
   (:mod:`._dropin`); under ``ElasticTrainer`` they are its Ray Train layer (docs/ray_train.md).
 * Ray's own classes, re-exported (not copied; imported when first named, so importing ``ray_integration`` does
@@ -25,6 +26,7 @@ Reading a run's checkpoints on the driver afterwards is :func:`ray_integration.l
 from ._context import TrainContext, get_context
 from ._dataset import get_dataset_shard
 from ._dropin import get_checkpoint
+from ._preemption import get_preemption_info
 from ._report import report
 
 #: Ray's own names, re-exported from ``ray.train`` when first used.
@@ -45,4 +47,5 @@ def __getattr__(name: str):
 
 __all__ = ["Checkpoint", "CheckpointConfig", "CheckpointUploadMode", "ControllerError", "DataConfig",
            "FailureConfig", "Result", "RunConfig", "ScalingConfig", "TrainContext", "TrainingFailedError",
-           "WorkerGroupError", "get_checkpoint", "get_context", "get_dataset_shard", "report"]
+           "WorkerGroupError", "get_checkpoint", "get_context", "get_dataset_shard", "get_preemption_info",
+           "report"]
