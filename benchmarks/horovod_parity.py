@@ -7,8 +7,9 @@ Horovod's file is read from your checkout (nothing of it is copied here). Each
 of its ``TorchTests`` methods runs on ``--ranks`` fresh local processes that
 form a gloo ring, with ``horovod.torch`` bound to ``ray_integration.horovod``
 and Horovod's test helpers (``test/utils/common.py``) on the path; the
-environment says "gloo controller" (``HOROVOD_RANK`` / ``HOROVOD_SIZE``), as
-``horovodrun --gloo`` would. A test passes when it passes on every rank, is
+environment holds Horovod's launch variables (``HOROVOD_RANK``, ``HOROVOD_SIZE``,
+the gloo controller: what the launcher sets, :mod:`ray_integration.wire.launch_env`),
+as ``horovodrun --gloo`` would. A test passes when it passes on every rank, is
 unsupported when Horovod marks it ``@pytest.mark.skip`` (unittest would run it),
 any rank skipped it or met ``NotImplementedError`` / ``AttributeError`` on
 ``hvd`` (a call we refuse or lack), and fails otherwise.
@@ -47,8 +48,16 @@ def _run_test_here(path: str, name: str) -> tuple[str, str]:
     import elastic_ring as er
     import ray_integration.horovod as hvd
 
-    os.environ.update(HOROVOD_RANK=str(er.rank()), HOROVOD_SIZE=str(er.size()), HOROVOD_LOCAL_RANK=str(er.local_rank()),
-                      HOROVOD_LOCAL_SIZE=str(er.local_size()), HOROVOD_CROSS_RANK="0", HOROVOD_CROSS_SIZE="1")
+    try:  # what the launcher and ElasticTrainer set on every worker (Horovod's launch environment)
+        from ray_integration.wire.launch_env import horovod_environment
+    except ImportError:  # a version from before it
+        os.environ.update(HOROVOD_RANK=str(er.rank()), HOROVOD_SIZE=str(er.size()), HOROVOD_CROSS_RANK="0",
+                          HOROVOD_LOCAL_RANK=str(er.local_rank()), HOROVOD_LOCAL_SIZE=str(er.local_size()),
+                          HOROVOD_CROSS_SIZE="1")
+    else:
+        from elastic_ring.ring import runtime
+
+        os.environ.update(horovod_environment(runtime.current().spec))
     package = types.ModuleType("horovod")
     package.__path__ = []  # a package, so that `import horovod.torch` resolves
     package.torch = hvd

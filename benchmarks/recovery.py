@@ -24,12 +24,19 @@ the 2 survivors, mid-epoch (where in the epoch is printed). Per run and as media
                 forming the ring with it (driver clock)
 
 for ElasticTrainer on one Ray node ("one host") and on a ray.cluster_utils.Cluster with one worker
-slot per node ("many hosts", all on this machine), and the recovery of Ray Train's TorchTrainer (v2)
-on one node as the reference (needs ray.train, checked before anything runs; --skip-ray-train skips it).
+slot per node ("many hosts", all on this machine); and, on one node, one Ray Train script (a checkpoint
+from rank 0 every step, rank 2 SIGKILLed at step 20, FailureConfig(max_failures=1)) run twice: by the
+drop-in ``ray_integration.train`` (only the imported module differs: the survivors re-enter the function
+in their processes from the checkpoint in memory) and by Ray Train's TorchTrainer (v2), the reference
+(restarts every worker from the persisted checkpoint; needs ray.train, checked before anything runs;
+--skip-ray-train skips it). Their rows: recovery (kill -> the first step logged after the re-entry /
+restart), steps redone, and of the recovery the function's own set-up (entered -> that first step).
 Every run's numbers are printed as measured, and each part's summary as it ends; if a later part
 fails, what was measured before it is printed with the failure (exit status 1).
 
-    python -m benchmarks.recovery [--runs 5] [--skip-ray-train] [--skip-many-hosts] [--commit-every N]
+    python -m benchmarks.recovery [--runs 5] [--skip-ray-train] [--skip-many-hosts] [--skip-ours] [--commit-every N]
+
+(--skip-ray-train also skips the drop-in: it runs Ray's own ScalingConfig / RunConfig / Result from ray.train.)
 """
 
 from __future__ import annotations
@@ -113,17 +120,21 @@ def ours_train(config: dict):
 
 
 def ray_train_loop(config: dict):
-    import ray.train
-    import ray.train.torch
+    """A Ray Train script's loop (a checkpoint every step from rank 0). ``config["api"]`` names the module it
+    imports as ``ray.train``: Ray Train's own, or ``ray_integration.train`` (the drop-in: only the import differs)."""
+    import importlib
 
+    train = importlib.import_module(config["api"])
+    train_torch = importlib.import_module(config["api"] + ".torch")
+    entered = time.time()
     torch.set_num_threads(1)
     xs, ys = _data()
-    model = ray.train.torch.prepare_model(_model())
+    model = train_torch.prepare_model(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctx = ray.train.get_context()
+    ctx = train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     start = 0
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
             saved = torch.load(os.path.join(d, "state.pt"))
@@ -143,10 +154,10 @@ def ray_train_loop(config: dict):
             if rank == 0:
                 torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1},
                            os.path.join(d, "state.pt"))
-            ray.train.report({"step": step + 1}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+            train.report({"step": step + 1}, checkpoint=train.Checkpoint.from_directory(d) if rank == 0 else None)
         if rank == 0:
             with log.open("a") as f:
-                f.write(f"{time.time()} {step + 1} {checkpoint is not None}\n")
+                f.write(f"{time.time()} {step + 1} {checkpoint is not None} {entered}\n")
         time.sleep(config["step_delay_s"])
 
 
@@ -182,22 +193,29 @@ def measure_ours(step_delay_s: float, commit_every: int, trainer_kwargs: dict) -
     return out
 
 
-def measure_ray_train(step_delay_s: float) -> tuple[float, int]:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+def measure_ray_train(step_delay_s: float, api: str = "ray.train") -> tuple[float, int, float]:
+    """Ray Train's TorchTrainer (``api="ray.train"``) or the drop-in (``"ray_integration.train"``) on the same
+    script: (kill -> the first step logged after the restart or re-entry, steps redone, that entry's own set-up:
+    the function entered -> its first step logged)."""
+    import importlib
 
+    train = importlib.import_module(api)
+    TorchTrainer = importlib.import_module(api + ".torch").TorchTrainer
     with tempfile.TemporaryDirectory() as tmp:
-        config = {"steps": KILL_STEP + 15, "kill_file": os.path.join(tmp, "killed"),
+        config = {"steps": KILL_STEP + 15, "kill_file": os.path.join(tmp, "killed"), "api": api,
                   "log_file": os.path.join(tmp, "log"), "step_delay_s": step_delay_s}
         TorchTrainer(ray_train_loop, train_loop_config=config,
-                     scaling_config=ScalingConfig(num_workers=3, use_gpu=False),
-                     run_config=RunConfig(storage_path=tmp, name="bench", failure_config=FailureConfig(max_failures=1)),
+                     scaling_config=train.ScalingConfig(num_workers=3, use_gpu=False),
+                     run_config=train.RunConfig(storage_path=tmp, name="bench",
+                                                failure_config=train.FailureConfig(max_failures=1)),
                      ).fit()
         killed_at = float(pathlib.Path(config["kill_file"]).read_text())
         lines = [line.split() for line in pathlib.Path(config["log_file"]).read_text().splitlines()]
-    before = [int(step) for _, step, resumed in lines if resumed == "False"]
-    after = [(float(t), int(step)) for t, step, resumed in lines if resumed == "True"]
-    return min(t for t, _ in after) - killed_at, max(before) - (min(s for _, s in after) - 1)
+    # rank 0 may log its last step of the first entry just after the kill: the entry tells the two apart
+    before = [int(step) for t, step, resumed, _ in lines if resumed == "False"]
+    after = [(float(t), int(step), float(entered)) for t, step, resumed, entered in lines if resumed == "True"]
+    first = min(after)
+    return first[0] - killed_at, max(before) - (first[1] - 1), first[0] - first[2]
 
 
 def describe(name: str, run: dict) -> str:
@@ -255,6 +273,7 @@ def main() -> None:
     parser.add_argument("--skip-ray-train", action="store_true")
     parser.add_argument("--commit-every", type=int, default=0, help="ours: also commit every N steps (0: only at epoch ends)")
     parser.add_argument("--skip-many-hosts", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true", help="only the Ray Train script: drop-in and Ray Train")
     args = parser.parse_args()
     if not args.skip_ray_train:
         require("ray.train.torch", benchmark="benchmarks.recovery", why="the Ray Train comparison",
@@ -267,20 +286,29 @@ def main() -> None:
           flush=True)
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    recovery: dict[str, float] = {}
     try:
-        with results.part("ours, one host"):
-            results.extend(ours_lines("one host", run_ours("one host", args, {})))
-        if not args.skip_ray_train:
-            with results.part("Ray Train"):
-                theirs = []
+        if not args.skip_ours:
+            with results.part("ours, one host"):
+                results.extend(ours_lines("one host", run_ours("one host", args, {})))
+        for api, label in (() if args.skip_ray_train else (("ray_integration.train", "drop-in ray_integration.train"),
+                                                             ("ray.train", "Ray Train TorchTrainer"))):
+            with results.part(label):
+                runs = []
                 for i in range(args.runs):
-                    theirs.append(measure_ray_train(args.step_delay_s))
-                    print(f"  Ray Train run {i + 1}: recovery {theirs[-1][0]:.3f} s, redone {theirs[-1][1]}", flush=True)
-                results.add(summary("Ray Train TorchTrainer: recovery", [r for r, _ in theirs]))
-                results.add(summary("Ray Train TorchTrainer: steps redone", [d for _, d in theirs], "steps", "7.1f"))
+                    runs.append(measure_ray_train(args.step_delay_s, api))
+                    print(f"  {label} run {i + 1}: recovery {runs[-1][0]:.3f} s, redone {runs[-1][1]}, of which the "
+                          f"re-entered function's own set-up {runs[-1][2]:.3f} s", flush=True)
+                results.add(summary(f"{label}: recovery", [r for r, _, _ in runs]))
+                results.add(summary(f"{label}: steps redone", [d for _, d, _ in runs], "steps", "7.1f"))
+                results.add(summary(f"{label}:   of which its set-up", [s for _, _, s in runs]))
+                recovery[label] = statistics.median(r for r, _, _ in runs)
+        if len(recovery) == 2:
+            ratio = recovery["Ray Train TorchTrainer"] / recovery["drop-in ray_integration.train"]
+            results.add(f"{'Ray Train / drop-in, median recovery':<46} {ratio:7.1f} x")
     finally:
         ray.shutdown()
-    if not args.skip_many_hosts:
+    if not args.skip_many_hosts and not args.skip_ours:
         from ray.cluster_utils import Cluster
 
         with results.part("ours, many hosts"):

@@ -47,6 +47,7 @@ from .collectives.handles import (
 from .backends.nccl.communicator import nccl_available
 from .collectives.objects import allgather_object, broadcast_object, broadcast_tree
 from .collectives.join import join
+from .collectives.preemption import get_preemption_info
 from .core.ops import Average, Max, Min, Product, ReduceOp, Sum
 from .reduction.optimizer import DistributedOptimizer
 from .ring.report import report
@@ -74,5 +75,5 @@ __all__ = [
     # Horovod's optimizer and model helpers
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "broadcast_optimizer_state", "broadcast_parameters",
     # elastic training
-    "allow_epoch_restart", "elastic", "report",
+    "allow_epoch_restart", "elastic", "get_preemption_info", "report",
 ]

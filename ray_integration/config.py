@@ -25,6 +25,11 @@ DRIVER_SILENCE_MIN_S = 60.0
 LEASE_TTL_RANGE_S = (1.0, 120.0)
 
 
+#: What the driver does when ``fn`` raises on a worker (``TrainerConfig.worker_errors``): end the run with that
+#: error, or count the worker as lost and replace it (Horovod's elastic mode; the run fails when every worker of
+#: a ring failed).
+WORKER_ERRORS = ("fail", "replace")
+
 #: A member that neither heartbeats nor reaches the rendezvous for this many heartbeat intervals,
 #: while its peers report a failure, is presumed dead (a lost node can take Ray many seconds to declare).
 SUSPECT_AFTER_INTERVALS = 3
@@ -47,6 +52,13 @@ class Limits:
     max_workers: int
     max_failures: int
     failure_window_s: float = 3600.0  # failures older than this (driver clock) no longer count
+    start_workers: int = 0      # the first ring waits for this many workers (0: min_workers)
+    worker_errors: str = "fail"       # fn raised on a member: "fail" the run, or "replace" the worker
+
+    @property
+    def first_ring_workers(self) -> int:
+        """How many workers the first ring waits for: ``start_workers``, at least ``min_workers``."""
+        return max(self.min_workers, self.start_workers)
 
     @property
     def suspect_after_s(self) -> float:
@@ -87,14 +99,15 @@ def check_gpus_per_worker(use_gpu: bool, gpus_per_worker: float | None) -> None:
 class TrainerConfig:
     """Every option of :class:`ElasticTrainer`, with units in the names.
 
-    Worker counts: the job starts once ``min_workers`` workers are up, grows to
-    ``max_workers`` as capacity appears, and keeps training while at least
-    ``min_workers`` are alive. Every wait of the driver and the workers has a
+    Worker counts: the job starts once ``min_workers`` workers are up (``start_workers``, if given:
+    the first ring waits for that many), grows to ``max_workers`` as capacity appears, and keeps
+    training while at least ``min_workers`` are alive. Every wait of the driver and the workers has a
     deadline that follows from these options (:attr:`limits`).
     """
 
     min_workers: int = 1
     max_workers: int = 1
+    start_workers: int | None = None
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float | None = None
@@ -120,6 +133,7 @@ class TrainerConfig:
     timeline_path: str | None = None
     tune_allocator: bool = True
     nccl_reform: str = "init"
+    worker_errors: str = "fail"
 
     def __post_init__(self) -> None:
         check_int(_OWNER, "min_workers", self.min_workers, minimum=1)
@@ -129,6 +143,11 @@ class TrainerConfig:
                 f"ElasticTrainer min_workers={self.min_workers} is larger than max_workers={self.max_workers}; "
                 "set max_workers >= min_workers"
             )
+        if self.start_workers is not None:
+            check_int(_OWNER, "start_workers", self.start_workers, minimum=1, hint="or None: min_workers")
+            if not self.min_workers <= self.start_workers <= self.max_workers:
+                raise ValueError(f"ElasticTrainer start_workers={self.start_workers} must be between min_workers="
+                                 f"{self.min_workers} and max_workers={self.max_workers}")
         check_bool(_OWNER, "use_gpu", self.use_gpu)
         check_number(_OWNER, "cpus_per_worker", self.cpus_per_worker, allow_equal=True, unit="CPUs")
         if self.gpus_per_worker is not None:
@@ -157,6 +176,11 @@ class TrainerConfig:
         if self.nccl_reform != "init" and not self.use_gpu:
             raise ValueError(f"ElasticTrainer nccl_reform={self.nccl_reform!r} re-forms NCCL communicators, which only "
                              "a GPU job has: set use_gpu=True, or drop nccl_reform (gloo re-forms in milliseconds)")
+        if self.worker_errors not in WORKER_ERRORS:
+            raise ValueError(f"ElasticTrainer worker_errors={self.worker_errors!r} is unknown; use 'fail' (fn "
+                             "raising on any worker ends the run with that error) or 'replace' (Horovod's elastic "
+                             "mode: that worker is lost and replaced, the others go on; the run fails when every "
+                             "worker of a ring failed)")
         if not (is_int(self.max_failures) and self.max_failures == -1):  # -1: unlimited, as Ray Train's
             check_int(_OWNER, "max_failures", self.max_failures, minimum=0, hint="or -1 for no limit")
         for name in ("failure_window_s", "start_timeout_s", "elastic_timeout_s", "connect_timeout_s", "heartbeat_interval_s",
@@ -237,4 +261,5 @@ class TrainerConfig:
                       capacity_wait_s=self.elastic_timeout_s, stop_timeout_s=self.stop_timeout_s,
                       min_workers=self.min_workers, max_workers=self.max_workers,
                       max_failures=sys.maxsize if self.max_failures == -1 else self.max_failures,
-                      failure_window_s=self.failure_window_s)
+                      failure_window_s=self.failure_window_s, start_workers=self.start_workers or 0,
+                      worker_errors=self.worker_errors)

@@ -10,6 +10,9 @@ import it.
 * :class:`HorovodInternalError`: Horovod's ``hvd.HorovodInternalError``, a failed collective of ``hvd``.
 * :class:`WorkerGaveUp` is internal: a worker tells the driver, through Ray, that it lost the job's rendezvous
   for good (the driver counts it as a lost worker and replaces it); users never see it.
+* :class:`InputUnavailable` (a :class:`WorkerGaveUp`): something a worker reads from outside the ring (a Ray Data
+  block, the run's checkpoints) could not be read after its retries: the worker leaves as a lost worker, with the
+  cause in its ``worker_lost`` event, and is replaced; the ring goes on from its live state.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ class WorkerGaveUp(RayIntegrationError, RuntimeError):
     it as a lost worker and replaces it (a store blip at one worker never ends the job)."""
 
 
+class InputUnavailable(WorkerGaveUp):
+    """A worker could not read an input from outside the ring (a Ray Data block whose object is lost, the run's
+    checkpoint location) after retrying: a fault of that input, not of ``fn`` nor of the job. Raised inside ``fn``,
+    it makes the worker a lost worker (its ``worker_lost`` event names the cause) that the driver replaces, as for a
+    lost node; the ring re-forms without it from the live state."""
+
+
 class HorovodInternalError(RayIntegrationError, er.CommError, RuntimeError):
     """Horovod's ``HorovodInternalError``: a collective failed (a lost peer, a timeout, a broken connection).
 
@@ -57,4 +67,5 @@ class HorovodInternalError(RayIntegrationError, er.CommError, RuntimeError):
     (``hvd.HostsUpdatedInterrupt``, elastic_ring's ``MembershipChanged``), as in Horovod."""
 
 
-__all__ = ["HorovodInternalError", "RayIntegrationError", "RunFailed", "WorkerError", "WorkerGaveUp"]
+__all__ = ["HorovodInternalError", "InputUnavailable", "RayIntegrationError", "RunFailed", "WorkerError",
+           "WorkerGaveUp"]

@@ -1,7 +1,8 @@
 """Run an unmodified, module-level training script on every worker, as ``horovodrun`` and ``torchrun`` do.
 
     python -m ray_integration.launch [--min-workers N] [--max-workers M] [--use-gpu] [--address ADDR]
-                                     [--checkpoint-uri URI] [--max-failures K] script.py [script args ...]
+                                     [--checkpoint-uri URI] [--max-failures K] [--worker-errors replace|fail]
+                                     script.py [script args ...]
 
 Every worker runs the script as ``__main__`` with ``sys.argv = [script.py, args...]``
 inside :meth:`ElasticTrainer.run`, so ``hvd.init()`` / ``er.size()`` join the
@@ -9,7 +10,12 @@ ring and the script's elastic loop (``@hvd.elastic.run`` / ``@er.elastic.run``)
 recovers from lost workers and takes in joiners. The driver reads the script
 once and ships its text to the workers (with its directory on ``sys.path``
 where that directory exists on the worker's node), so it needs no shared file
-system for the script itself. Ray: ``--address`` connects to a running cluster
+system for the script itself. Each worker's environment holds what ``horovodrun`` sets (``HOROVOD_RANK``,
+``HOROVOD_SIZE``, ``HOROVOD_HOSTNAME``, ...: :mod:`ray_integration.wire.launch_env`), from the first ring it
+joins, before the script's ``hvd.init()`` returns. As in Horovod's elastic mode (``--worker-errors replace``,
+the default), a worker whose script raises is a failed worker: it is replaced and the others go on, and the run
+fails, naming the error and its rank, when every worker of a ring failed (``--worker-errors fail``: the first
+error ends the run, as ``ElasticTrainer``'s default). Ray: ``--address`` connects to a running cluster
 (``auto`` for the local one); without it a private local instance is started
 and stopped. Exit codes: 0 when rank 0 finished the script, 75 when a SIGTERM
 stopped the run (unfinished: run it again to resume from the checkpoint), 1 when
@@ -57,6 +63,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs of the private local Ray instance")
     parser.add_argument("--checkpoint-uri", default=None, help="durable checkpoints (resume after a lost cluster)")
     parser.add_argument("--max-failures", type=int, default=10)
+    parser.add_argument("--worker-errors", choices=("replace", "fail"), default="replace",
+                        help="a worker whose script raises: replace it and go on, failing when every worker of a ring "
+                             "failed (Horovod's elastic mode, the default), or end the run with its error")
     parser.add_argument("script", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
@@ -87,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = ElasticTrainer(min_workers=args.min_workers, max_workers=args.max_workers, use_gpu=args.use_gpu,
                                  cpus_per_worker=args.cpus_per_worker, checkpoint_uri=args.checkpoint_uri,
-                                 max_failures=args.max_failures)
+                                 max_failures=args.max_failures, worker_errors=args.worker_errors)
         try:
             result = trainer.run(run_script, {"source": source, "path": path, "argv": args.args})
         except Exception as exc:  # noqa: BLE001 - a launcher reports the failure and returns its exit code
             print(f"launch: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
+        for lost in (e for e in result.events if e.kind == "worker_lost"):
+            print(f"launch: lost worker {lost.detail.get('worker')} in round {lost.round_id}: "
+                  f"{lost.detail.get('cause')}", file=sys.stderr)
         kinds = [e.kind for e in result.events]
         print(f"launch: {'finished' if result.completed else 'stopped'} on {args.max_workers} worker slots: "
               f"{kinds.count('worker_lost')} workers lost, {kinds.count('worker_joined')} joined, "

@@ -117,10 +117,19 @@ class ElasticTrainer:
             return None
         return CheckpointLease(self.config.checkpoint_uri, run_id, ttl_s=self.config.lease_ttl_s).acquire()
 
-    def _newest_checkpoint(self) -> str | None:
+    def _newest_checkpoint(self, events: EventLog | None = None) -> str | None:
+        """The newest state checkpoint at the location; None when there is none, or when the location cannot be
+        listed now (recorded as a ``checkpoint_listing_failed`` event in ``events``: the run's result stands)."""
         if self.config.checkpoint_uri is None:
             return None
-        return CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
+        try:
+            return CheckpointStore(self.config.checkpoint_uri, self.config.checkpoint_keep_last).newest_uri()
+        except (OSError, CheckpointError) as exc:
+            _log.warning("cannot list the checkpoints at %s: %s", self.config.checkpoint_uri, exc)
+            if events is not None:
+                events.add("checkpoint_listing_failed", None, None, uri=self.config.checkpoint_uri,
+                           error=f"{type(exc).__name__}: {exc}")
+            return None
 
     def _result_checkpoint(self, state_uri: str | None) -> Any:
         """Result.checkpoint: the newest reported checkpoint at the location whose files are all there with their
@@ -136,7 +145,7 @@ class ElasticTrainer:
                     _log.warning("%s; Result.checkpoint is an older one", exc)
                     continue
                 return as_ray_checkpoint(reported.files_url(seq))
-        except OSError as exc:  # the location cannot be listed now: the state checkpoint's URI is known anyway
+        except (OSError, CheckpointError) as exc:  # cannot be listed now: the state checkpoint's URI is known anyway
             _log.warning("cannot list the reported checkpoints at %s: %s", self.config.checkpoint_uri, exc)
         return as_ray_checkpoint(state_uri) if state_uri else None
 
@@ -222,11 +231,12 @@ class ElasticTrainer:
             mailroom = Mailroom(pool, events, progress, timeline, on_report)
             cleaner = RoundKeys(server.store, keys)
 
-            def on_tick(d: Driver) -> None:
+            lease_check = LeaseCheck(lease, events)
+
+            def on_tick(d: Driver, ended: bool = False) -> None:
                 mailroom(d.round_id, d.world_size)
                 cleaner.forget_before(d.round_id - 1)
-                if lease is not None:
-                    lease.check()  # another run took the location over (this one stalled): stop now
+                lease_check(d.round_id, d.world_size, ended=ended, stopping=d.stop_reason is not None)
 
             # The autoscaler sees this job's demand as its pending worker actors (the pool keeps max_workers
             # requested), which are this job's alone and end with it. No request_resources(): that call is
@@ -242,7 +252,7 @@ class ElasticTrainer:
             try:
                 final = driver.run(on_tick)
                 take_last_messages(pool, wakeups)
-                on_tick(driver)
+                on_tick(driver, ended=True)
                 if isinstance(final, Finished):
                     events.add("finished", driver.round_id, driver.world_size)
             except KeyboardInterrupt:
@@ -255,8 +265,8 @@ class ElasticTrainer:
                          "Security section", receive.forged + send.forged)
         return self._result(final, mailroom, events, driver.stop_reason or stop_reason)
 
-    def _abandoned(self) -> str:
-        newest = self._newest_checkpoint()
+    def _abandoned(self, events: EventLog | None = None) -> str:
+        newest = self._newest_checkpoint(events)
         if newest:
             return f"training since the newest durable checkpoint ({newest}) is abandoned; run the same script to resume"
         if self.config.checkpoint_uri is None:
@@ -274,9 +284,9 @@ class ElasticTrainer:
         written = [e.detail.get("uri") for e in events.events if e.kind == "checkpoint_written"]
         checkpoint_error = _final_checkpoint_error(events.events)
         if isinstance(final, Finished):
-            checkpoint = written[-1] if written else self._newest_checkpoint()
+            checkpoint = written[-1] if written else self._newest_checkpoint(events)
         else:  # the store first: a stop's final write is the newest, whether or not its event arrived
-            checkpoint = self._newest_checkpoint() or (written[-1] if written else None)
+            checkpoint = self._newest_checkpoint(events) or (written[-1] if written else None)
         common = dict(metrics_history=mailroom.metrics, events=list(events.events), checkpoint_uri=checkpoint,
                       checkpoint=self._result_checkpoint(checkpoint), path=self.config.checkpoint_uri,
                       stop_reason=stop_reason, checkpoint_error=checkpoint_error)
@@ -305,6 +315,28 @@ class ElasticTrainer:
             message = f"elastic_ring: {_said(reason)}: training stopped at a commit{note}; {saved}"
         print(message, file=sys.stderr, flush=True)
         return Result(value=None, completed=False, stopped=True, message=message, **common)
+
+
+class LeaseCheck:
+    """Checks, at every tick of the driver, that this run still holds its checkpoint location's lease. Lost while
+    the run trains: raised (another run took the location over; this one must stop now). Lost once the run ended
+    or while it stops: recorded once, as a ``lease_lost`` event, and the Result is returned (a stop's final write
+    is fenced by the lease, and its failure is the Result's ``checkpoint_error``)."""
+
+    def __init__(self, lease: CheckpointLease | None, events: EventLog) -> None:
+        self.lease, self.events, self.lost = lease, events, None
+
+    def __call__(self, round_id: int | None, world_size: int | None, *, ended: bool, stopping: bool) -> None:
+        if self.lease is None or self.lost is not None:
+            return
+        try:
+            self.lease.check()
+        except CheckpointError as exc:
+            if not (ended or stopping):
+                raise
+            self.lost = str(exc)
+            _log.warning("the checkpoint lease was lost %s: %s", "after the run" if ended else "while it stopped", exc)
+            self.events.add("lease_lost", round_id, world_size, after_the_run=ended, error=str(exc))
 
 
 def _final_checkpoint_error(events: list[Event]) -> str | None:

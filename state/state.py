@@ -35,10 +35,10 @@ from elastic_ring.core import timeline
 from elastic_ring.core.log import get_logger
 
 from . import membership
-from .checkpoints.background import DEFAULT_FLUSH_TIMEOUT_S, BackgroundWriter
-from .checkpoints.config import CheckpointConfig, default_checkpointing
-from .checkpoints.store import CheckpointStore
-from .errors import CheckpointError, TrainingStopped
+from .checkpoints.config import default_checkpointing
+from .checkpoints.policy import StateOrder
+from .durable import Durable, set_resume_listener  # noqa: F401  (set_resume_listener: the worker runtime's)
+from .errors import TrainingStopped
 from .handlers import OptimizerHandler, handler_for
 from .recovery import CONSISTENT, DIRTY, Mode, RankStatus, SyncDecision, decide_sync, failure_trust
 from .samplers.sampler import ElasticSampler
@@ -50,22 +50,11 @@ _POSITIONS = (ElasticSampler, ElasticStream)
 
 _log = get_logger(__name__)
 
-#: Called with the checkpoint's info when a State resumes from one (the worker
-#: runtime forwards it to the driver's result.events).
-_resume_listener: Callable[[dict], None] | None = None
-
-
-def set_resume_listener(listener: Callable[[dict], None] | None) -> None:
-    """Call ``listener(info)`` whenever a State of this process resumes from a checkpoint."""
-    global _resume_listener
-    _resume_listener = listener
-
-
 def _on_joined_commit_answer(values: list[int]) -> None:
     """On a rank waiting in ``er.join()`` that answered the others' ``State.commit`` agreement: raise what they
     raise (``TrainingStopped`` / ``MembershipChanged``), so the joined rank leaves for the next ring with them
     instead of learning of it from a torn-down connection. (It persists nothing: the ranks with data do.)"""
-    changed, _persist, stop = (list(values) + [0, 0, 0])[:3]
+    changed, _persist, stop = (list(values) + [0, 0, 0])[:3]  # (a 4th value, the persist's number, is not its)
     if changed or stop:
         membership.clear_membership_change()
         if stop:
@@ -76,7 +65,7 @@ def _on_joined_commit_answer(values: list[int]) -> None:
 _join.add_answer_listener("State.commit", _on_joined_commit_answer)
 
 
-class State:
+class State(Durable):
     def __init__(self, **values: Any) -> None:
         object.__setattr__(self, "_handlers", {})
         object.__setattr__(self, "_snapshot", None)
@@ -86,6 +75,8 @@ class State:
         object.__setattr__(self, "_trust", CONSISTENT)    # how the live state came out of the last failure
         object.__setattr__(self, "_base", (0, 0, 0))      # (version, commits, applied steps) at the last sync
         object.__setattr__(self, "_commit_version", 0)
+        object.__setattr__(self, "_commit_round", 0)       # the ring's round when the last commit was taken
+        object.__setattr__(self, "_lineage", 0)           # resumes from a checkpoint behind this state (policy.StateOrder)
         object.__setattr__(self, "_checkpoint", None)
         object.__setattr__(self, "_writer", None)
         object.__setattr__(self, "_last_persist", time.monotonic())
@@ -123,6 +114,14 @@ class State:
         optimizers = [v for v in values if is_distributed_optimizer(v)]
         samplers = [v for v in values if isinstance(v, _POSITIONS)]
         modules = [v for v in values if isinstance(v, torch.nn.Module)]
+        if len(optimizers) == 1 and len(samplers) > 1:
+            names = sorted(n for n, h in self._handlers.items() if isinstance(h.value, _POSITIONS))
+            raise ValueError(
+                f"this State holds {len(samplers)} sampler positions ({', '.join(names)}) and one DistributedOptimizer: "
+                "the optimizer's steps advance the one position its training batches come from, and the state could "
+                "not tell which (with two, a failure would re-train or skip rows). Keep only the training "
+                "sampler / dataset shard in the State; a validation shard or evaluation sampler stays outside it (a "
+                "failure then restarts its evaluation epoch, which trains nothing), or give it a State of its own")
         sampler = samplers[0] if len(samplers) == 1 else None
         wants_global = [s for s in samplers if s.global_batch_size is not None]
         if wants_global and (len(optimizers) != 1 or sampler is None):
@@ -150,12 +149,12 @@ class State:
         MembershipChanged or TrainingStopped on every rank. The state is snapshotted only when the notices
         ask for a durable write (a drain, a stop): a join's re-form hands over the live state, not a copy."""
         with timeline.span("boundary", "state", step=self._applied()):
-            changed, persist, stop = self._agree_notices()
-            if not (changed or stop):
+            changed, persist, stop, persist_id = self._agree_notices()
+            if not (changed or stop or persist):
                 return
             if persist or stop:  # every rank agreed on the same flags: commit counts stay equal
                 self._take_commit()
-            self._act_on_notices(persist, stop)
+            self._act_on_notices(changed, persist, stop, persist_id)
 
     @property
     def names(self) -> list[str]:
@@ -190,52 +189,63 @@ class State:
         with timeline.span("commit", "state", commit=self._commits + 1):
             self._take_commit()
             self._maybe_persist()
-            self.check_membership()
+            self._check_notices(just_committed=True)
 
     def _take_commit(self) -> None:
         """Snapshot the state as the next commit (local)."""
         self._save()
         object.__setattr__(self, "_commits", self._commits + 1)
         object.__setattr__(self, "_commit_version", self.version)
+        object.__setattr__(self, "_commit_round", er.round_id() if er.is_initialized() else 0)
+
+    @property
+    def commit_order(self) -> StateOrder:
+        """Where the last commit stands in the job's history: (lineage, round, version); a durable checkpoint of it
+        carries this order, and the newest checkpoint is the one with the newest order (``policy.order_key``)."""
+        return StateOrder(self._lineage, self._commit_round, self._commit_version)
 
     def check_membership(self) -> None:
         """One small collective: raise :class:`MembershipChanged` on every rank if any rank has a
-        pending change, or :class:`TrainingStopped` if the job must stop; persist first if asked."""
-        changed, persist, stop = self._agree_notices()
-        if changed or stop:
-            self._act_on_notices(persist, stop)
+        pending change, or :class:`TrainingStopped` if the job must stop; when a durable write is asked, the
+        live state is committed first (every rank agreed on it: commit counts stay equal) and written."""
+        self._check_notices(just_committed=False)
 
-    def _agree_notices(self) -> tuple[int, int, int]:
-        """The one collective in which every rank learns the notices of any rank: (changed, persist, stop)."""
+    def _check_notices(self, just_committed: bool) -> None:
+        changed, persist, stop, persist_id = self._agree_notices()
+        if changed or stop or persist:
+            if (persist or stop) and not just_committed:
+                self._take_commit()  # the write holds the live state, as the driver's number says
+            self._act_on_notices(changed, persist, stop, persist_id)
+
+    def _agree_notices(self) -> tuple[int, int, int, int]:
+        """The one collective in which every rank learns the notices of any rank: (changed, persist, stop, and
+        the driver's number of the persist it asked for: a rank whose own notice has not arrived yet still tags
+        the write with it)."""
         if not er.is_initialized():
-            return 0, 0, 0
+            return 0, 0, 0, 0
+        notice = membership.pending()
         try:
-            changed, persist, stop = er.agree_max("State.commit", [int(membership.membership_change_requested()),
-                                                                   int(membership.persist_requested()),
-                                                                   int(membership.stop_requested())])
+            changed, persist, stop, persist_id = er.agree_max(
+                "State.commit", [int(notice.change), int(notice.persist), int(notice.stop), notice.persist_id])
         except er.CommError as exc:
             exc.live_state_consistent = True  # the commit is complete: the state is whole
             raise
-        return changed, persist, stop
+        return changed, persist, stop, persist_id
 
-    def _act_on_notices(self, persist: int, stop: int) -> None:
-        """Consume the notices, write the last commit durably if asked, and raise on every rank."""
-        membership.clear_membership_change()
-        if persist or stop:
-            if self._writer is None:
-                _log.warning("asked to persist this commit, but no checkpoint_uri is set; continuing without")
-            else:
-                try:
-                    uri = self.persist_now()
-                except CheckpointError as exc:  # a checkpoint_failed event already says so; the ring goes on
-                    _log.error("the durable write of this commit (asked for by the driver) failed: %s; the ring "
-                               "goes on, and a stop's final flush reports it in the run's result", exc)
-                    uri = None
-                if uri is not None:
-                    _log.info("persisted %s", uri)
+    def _act_on_notices(self, changed: int, persist: int, stop: int, persist_id: int = 0) -> None:
+        """Consume the notices and write the last commit durably if asked; then raise on every rank, unless the
+        notice asked for the write alone (the driver's just-in-time write before a preemption deadline: the ring
+        trains on). A driver's write (a drain's) goes to the writer without waiting for it: the ring re-forms at
+        once, and the leaving rank 0 flushes it before it leaves."""
+        persist_by = membership.persist_by()
+        membership.clear_membership_change(persist_id)
         if stop:
+            self._persist_for_stop()
             raise TrainingStopped("the job was asked to stop; this commit is the last")
-        raise er.MembershipChanged("the ring's membership changes at this commit")
+        if persist:
+            self._persist_asked(persist_id, persist_by)
+        if changed:
+            raise er.MembershipChanged("the ring's membership changes at this commit")
 
     @property
     def committed(self) -> bool:
@@ -297,7 +307,8 @@ class State:
                     self.restore()
                 elif decision.mode is Mode.FRESH and self._checkpoint is not None:
                     self._resume()
-            names = er.broadcast_object(self.names, root, name="State.sync names")
+            names, lineage = er.broadcast_object((self.names, self._lineage), root, name="State.sync names")
+            object.__setattr__(self, "_lineage", lineage)
             if names != self.names:
                 raise ValueError(f"rank {er.rank()} holds state values {self.names}, root holds {names}; "
                                  "build the same TorchState on every rank")
@@ -317,6 +328,7 @@ class State:
             object.__setattr__(self, "_trust", CONSISTENT)
             self._save()
             object.__setattr__(self, "_commit_version", version)
+            object.__setattr__(self, "_commit_round", er.round_id())
             if decision.mode is not Mode.FRESH and (decision.mode is Mode.ROLLBACK or statuses != [status] * len(statuses)):
                 _log.info("synced from rank %d (%s state, version %d)", root, decision.mode.value, version)
 
@@ -345,67 +357,3 @@ class State:
                 handler.value.reset()  # a linked sampler's re-partition sizes the optimizer's next step
         for cb in self._reset_callbacks:
             cb()
-
-    # ------------------------------------------------------------ durable checkpoints
-    def enable_checkpoints(self, uri: str, every_n_commits: int | None = None, every_s: float | None = None,
-                           keep_last: int = 3, *, run_id: str | None = None, trusted: bool = False,
-                           max_consecutive_failures: int = 3, signing_key: bytes | None = None) -> None:
-        """Persist every ``every_n_commits`` commits and/or every ``every_s`` seconds to ``uri``
-        (an absolute path or fsspec URL); keep the newest ``keep_last``. Only rank 0 writes, in the
-        background. See :class:`CheckpointConfig` for ``run_id``, ``trusted``, ``max_consecutive_failures``
-        and ``signing_key``."""
-        self._use_checkpointing(CheckpointConfig(
-            uri=uri, every_n_commits=every_n_commits, every_s=every_s, keep_last=keep_last, run_id=run_id,
-            trusted=trusted, max_consecutive_failures=max_consecutive_failures, signing_key=signing_key))
-
-    def _use_checkpointing(self, config: CheckpointConfig) -> None:
-        # config.lease_generation is not passed to the store yet: state checkpoints are fenced by the lease's
-        # generation from issue 32 on (CheckpointStore(..., lease_generation=config.lease_generation))
-        store = CheckpointStore(config.uri, keep_last=config.keep_last, run_id=config.run_id, trusted=config.trusted,
-                                signing_key=config.signing_key)
-        object.__setattr__(self, "_checkpoint", config)
-        object.__setattr__(self, "_writer", BackgroundWriter(store, config.max_consecutive_failures))
-
-    @property
-    def checkpoint_store(self) -> CheckpointStore | None:
-        return self._writer.store if self._writer is not None else None
-
-    def _persist_source(self) -> tuple[dict, dict]:
-        """The last commit and its meta, read by the writer when it starts a write (in this thread)."""
-        return self._snapshot, {"commits": self._commits, "names": self.names}
-
-    def _maybe_persist(self) -> None:
-        config = self._checkpoint
-        if config is None or not er.is_initialized() or er.rank() != 0:
-            return
-        self._writer.check()  # raises after repeated failed writes, with the cause
-        self._writer.poll()   # a write asked for while the previous one was in flight starts now, with this commit
-        now = time.monotonic()
-        due = (config.every_n_commits is not None and self._commits % config.every_n_commits == 0) or (
-            config.every_s is not None and now - self._last_persist >= config.every_s)
-        if due:
-            object.__setattr__(self, "_last_persist", now)
-            self._writer.submit(self._persist_source)
-
-    def persist_now(self, timeout_s: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> str | None:
-        """Write the last commit durably now and wait for it (e.g. before a planned shutdown); rank 0 only.
-        Raises :class:`CheckpointError` if it fails or is not done within ``timeout_s`` seconds."""
-        if self._writer is None or self._snapshot is None or (er.is_initialized() and er.rank() != 0):
-            return None
-        self._writer.submit(self._persist_source)
-        return self._writer.flush(timeout_s)
-
-    def _resume(self) -> None:
-        loaded = self._writer.store.load_latest(expected_names=self.names)
-        if loaded is None:
-            return
-        tree, info = loaded
-        for name, handler in self._handlers.items():
-            handler.load_tree(tree[name])
-        info = {**info, "epoch": tree.get("epoch"), "step": tree.get("step")}  # when the state keeps them
-        object.__setattr__(self, "resumed_from", info)
-        _log.info("resumed from checkpoint %s at epoch %s, step %s (commit %s)", info["uri"], info["epoch"],
-                  info["step"], info["meta"].get("commits"))
-        if _resume_listener is not None:
-            _resume_listener(info)
-

@@ -21,7 +21,9 @@ exactly one :class:`~state.ElasticSampler`, the sampler:
   step in which any rank had one, every rank commits before the model's next training forward
   (or at the next step's first gradient): the commit's agreement raises ``MembershipChanged``
   (or ``TrainingStopped``) on every rank, the ring re-forms and the survivors hand their live
-  state to the joiners. No ``state.commit()`` of the user's is needed for that.
+  state to the joiners. No ``state.commit()`` of the user's is needed for that. A notice that
+  asks only for a durable write (the driver's just-in-time write before a preemption deadline)
+  commits there, hands the commit to the writer, and the ring trains on.
 * **A constant global batch.** With ``ElasticSampler(global_batch_size=G)`` the optimizer runs
   ``sampler.batches_per_step`` backward passes per step (set at every re-form), weights each
   pass by its share of the step's samples (``sampler.pass_share``), and accumulates: the loop
@@ -49,9 +51,10 @@ def is_distributed_optimizer(value: Any) -> bool:
 
 
 def notice_waits() -> bool:
-    """This rank holds a driver notice for the current round (a change or a stop) to act on at a step boundary."""
+    """This rank holds a driver notice for the current round (a change, a stop, or a write asked for alone) to act
+    on at a step boundary."""
     notice = membership.pending()
-    return notice.change or notice.stop
+    return notice.change or notice.stop or notice.persist
 
 
 class StepLink:

@@ -111,3 +111,46 @@ def test_by_age_is_the_one_order_of_checkpoints(entries, oldest_first):
 @pytest.mark.parametrize("existing, seq", [([], 1), ([1, 2, 3], 4), ([7], 8), ([2, 9, 4], 10)])
 def test_next_sequence(existing, seq):
     assert next_sequence(existing) == seq
+
+
+def O(seq, lineage, round_id, version, run="me", complete=True):
+    from state.checkpoints.policy import StateOrder
+
+    return Entry(seq, run, complete, StateOrder(lineage, round_id, version))
+
+
+@pytest.mark.parametrize("entries, oldest_first", [
+    # the state's order decides, not the number: a late write of round 5 (number 2) is older than round 6's
+    ([O(1, 0, 6, 120), O(2, 0, 5, 100)], [2, 1]),
+    # a later run (it resumed: lineage + 1) is newer though its rounds start again
+    ([O(1, 0, 40, 900), O(2, 1, 1, 3)], [1, 2]),
+    # within a round, the version; the same state written twice: by number
+    ([O(3, 0, 2, 9), O(1, 0, 2, 11), O(2, 0, 2, 9)], [2, 3, 1]),
+    # checkpoints without an order (older writers) sort below every ordered one, by number among themselves
+    ([Entry(5), O(1, 0, 1, 1), Entry(2)], [2, 5, 1]),
+    ([O(1, 0, 1, 1, complete=False), Entry(2)], [2]),
+])
+def test_by_age_orders_by_the_state(entries, oldest_first):
+    assert [e.seq for e in by_age(entries)] == oldest_first
+
+
+@pytest.mark.parametrize("entries, newest, keep_last, doomed", [
+    # a late write of an older state (2) never prunes the newer one (1); it is kept itself, for now
+    ([O(1, 0, 6, 120), O(2, 0, 5, 100)], 2, 1, []),
+    # the next write of the newest state removes both
+    ([O(1, 0, 6, 120), O(2, 0, 5, 100), O(3, 0, 6, 130)], 3, 1, [1, 2]),
+    ([O(1, 0, 6, 120), O(2, 0, 5, 100), O(3, 0, 6, 130)], 3, 2, [2]),
+])
+def test_plan_prune_keeps_the_newest_states(entries, newest, keep_last, doomed):
+    assert plan_prune(entries, newest, "me", keep_last, lease_held=True) == doomed
+
+
+@pytest.mark.parametrize("value, parsed", [
+    ([0, 3, 9], (0, 3, 9)), ((1, 1, 0), (1, 1, 0)), (None, None), ([0, 3], None), ([0, -1, 2], None),
+    ([0, True, 2], None), ("0,3,9", None), ([0, 3.0, 9], None),
+])
+def test_state_order_parse(value, parsed):
+    from state.checkpoints.policy import StateOrder
+
+    got = StateOrder.parse(value)
+    assert (None if got is None else (got.lineage, got.round_id, got.version)) == parsed

@@ -7,6 +7,7 @@ from ray_integration.driver import decisions
 from ray_integration.config import TrainerConfig
 from ray_integration.driver.decisions import MemberView as M
 from ray_integration.driver.decisions import Outcome, StartFailureKind, Step, start_failure_verdict
+from ray_integration.driver.drains import DrainView, PersistView
 
 LIMITS = TrainerConfig(min_workers=2, max_workers=4, heartbeat_interval_s=0.5, heartbeat_timeout_s=10,
                        collective_timeout_s=60, connect_timeout_s=30, elastic_timeout_s=20, stop_timeout_s=15,
@@ -147,6 +148,7 @@ def test_reform_decision(members, joiners, stop, ever, waited_s, expected):
 
 
 LV = dict(leaving=True, waiting="membership", has_state=True)   # a leaving holder at the rendezvous
+SAVED = DrainView(True, 0.5, final=PersistView(2, True, 1, 3.0, True, True, False))  # the drain's final write landed
 
 
 @pytest.mark.parametrize("members, joiners, stop, waited_s, checkpoint, expected, says", [
@@ -176,19 +178,24 @@ LV = dict(leaving=True, waiting="membership", has_state=True)   # a leaving hold
     ([M("a", **LV), M("b", waiting="membership", has_state=True)], 1, False, 1, False, Step.FORM, ""),
 ])
 def test_drain_and_durable_resume_decisions(members, joiners, stop, waited_s, checkpoint, expected, says):
-    # (here "checkpoint" is both: one exists, and it is the drain commit's)
+    # (here "checkpoint" is both: one exists, and it is the drain's final write, which landed)
     decision = decisions.reform_decision(members, joiners, stop, True, waited_s, LIMITS, checkpoint=checkpoint,
-                                         drain_saved=checkpoint)
+                                         drain=SAVED if checkpoint else None, round_id=1)
     assert decision.step is expected, decision
     assert says in decision.message
 
 
-def test_an_older_checkpoint_is_no_reason_to_let_the_leavers_go():
-    # a checkpoint exists, but not of the drain commit (its write failed, or was never asked for): the leavers
-    # with the only live state are not released onto an older checkpoint (a silent rollback)
-    leaving = [M("a", leave_in_s=4, **LV)]
-    decision = decisions.reform_decision(leaving, 0, False, True, 1, LIMITS, checkpoint=True, drain_saved=False)
-    assert decision.step is Step.FAIL and "drain commit" in decision.message
+def test_an_older_checkpoint_is_no_silent_reason_to_let_the_leavers_go():
+    # a checkpoint exists, but not of the drain's final write: while a write still fits, the leavers write it (a
+    # ring that only writes); near the deadline with no write landing they go, saying that the job trains again
+    # what came after the older checkpoint (issue 32: saved means *this* commit was saved)
+    leaving = [M("a", leave_in_s=30, **LV)]
+    failed = DrainView(True, 0.5, final=PersistView(3, True, 1, 2.0, True, False, True))
+    decision = decisions.reform_decision(leaving, 0, False, True, 1, LIMITS, checkpoint=True, drain=failed, round_id=1)
+    assert decision.step is Step.PERSIST, decision
+    leaving = [M("a", leave_in_s=0.4, **LV)]
+    decision = decisions.reform_decision(leaving, 0, False, True, 1, LIMITS, checkpoint=True, drain=failed, round_id=1)
+    assert decision.step is Step.RELEASE and not decision.saved and "trains again" in decision.message
 
 
 @pytest.mark.parametrize("ages, max_failures, window_s, gives_up", [

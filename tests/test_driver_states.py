@@ -8,6 +8,7 @@ import pytest
 from ray_integration.config import TrainerConfig
 from ray_integration.driver import context as c
 from ray_integration.driver.decisions import MemberView as M
+from ray_integration.driver.drains import DrainView
 from ray_integration.driver.states import (
     COMMIT_OVERDUE_S, START_GRACE_S, Failed, Finished, Reforming, Running, Starting, Stopped,
 )
@@ -20,7 +21,7 @@ def ctx(**changes) -> c.Context:
     base = dict(now=100.0, limits=LIMITS, start_timeout_s=120.0, round_id=1, world_size=None, members=(),
                 joiners=(), results={}, unreported_losses=(), newly_draining=(), failure_ages_s=(), stop_reason=None,
                 stop_age_s=None, abort_reason=None, tampering=None, user_error=None, start_failures=(),
-                returned_early=(), ever_had_state=False, checkpoint=None, drain_saved=False)
+                returned_early=(), ever_had_state=False, checkpoint=None)
     return c.Context(**{**base, **changes})
 
 
@@ -100,9 +101,10 @@ def test_running_asks_for_the_stop_commit_once_then_waits_for_it():
     members = (M("a"), M("b"))
     running = Running()
     actions, nxt = drive(running, ctx(members=members, stop_reason="SIGTERM", stop_age_s=1.0))
-    assert actions == [c.KillSilent(), c.RequestPersist("stop", 30, stop=True)] and nxt is running
+    # (drains are still polled: a notice during a stop is recorded; the stop's durable write covers it)
+    assert actions == [c.KillSilent(), c.RequestPersist("stop", 30, stop=True), c.PollDrains()] and nxt is running
     actions, nxt = drive(running, ctx(members=members, stop_reason="SIGTERM", stop_age_s=2.0))
-    assert actions == [c.KillSilent()] and nxt is running
+    assert actions == [c.KillSilent(), c.PollDrains()] and nxt is running
     _, nxt = drive(running, ctx(members=members, stop_reason="SIGTERM", stop_age_s=31.0))
     assert nxt.forced and "stop_timeout_s=30" in nxt.note
 
@@ -122,10 +124,11 @@ def test_running_grows_for_a_joiner_and_warns_when_no_commit_comes():
     assert "AddEvent:commit_overdue" in kinds(actions) and "Notify" not in kinds(actions)
 
 
-def test_a_drain_that_leaves_too_few_asks_for_a_durable_commit():
+def test_a_drain_that_leaves_too_few_writes_a_probe_at_once_and_trains_on():
+    # the final write comes just in time (tests/test_drain_decisions.py); at the notice: a probe, no re-form
     members = (M("a", has_state=True), M("b", has_state=True, leaving=True, leave_in_s=42.04))
-    actions, _ = drive(Running(), ctx(members=members, newly_draining=("b",)))
-    assert c.RequestPersist("drain", 42.0, change=True) in actions
+    actions, _ = drive(Running(), ctx(members=members, newly_draining=("b",), drain=DrainView(can_persist=True)))
+    assert c.RequestPersist("drain", 42.0) in actions and c.Notify() not in actions
 
 
 def test_reforming_after_a_failure_aborts_reports_counts_and_forms():

@@ -1,8 +1,8 @@
 """Horovod's duplicate-name error (test_torch.py: test_horovod_{allreduce,allgather,broadcast,reducescatter}
 _duplicate_name_error): an ``_async`` call whose ``name`` an operation of this process not synchronized yet
 holds raises ``ValueError`` at once, before anything is sent, so the ring stays usable; ``synchronize`` frees
-the name (``poll`` does not), as do a new round and ``hvd.init()``. On real gloo rings, every rank making the
-same calls in the same order (ranks pair calls by order here, not by name as Horovod's coordinator)."""
+the name (``poll`` does not), as do a new round and ``hvd.init()``. On real gloo rings (the pairing of named
+operations by name, whatever order the ranks submit them in: tests/test_horovod_async_pairing.py)."""
 
 from __future__ import annotations
 

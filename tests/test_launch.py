@@ -102,7 +102,10 @@ def test_the_launcher_checks_its_arguments_before_starting_anything(tmp_path):
     args = parse(["-np", "2", str(SCRIPT), "--epochs", "3", "--lr", "0.1"])
     assert (args.min_workers, args.max_workers, args.args) == (2, 2, ["--epochs", "3", "--lr", "0.1"])
     args = parse(["--max-workers", "4", str(SCRIPT)])
-    assert (args.min_workers, args.max_workers) == (1, 4)
+    assert (args.min_workers, args.max_workers, args.worker_errors) == (1, 4, "replace")  # Horovod's elastic mode
+    assert parse(["--worker-errors", "fail", str(SCRIPT)]).worker_errors == "fail"
+    with pytest.raises(SystemExit):
+        parse(["--worker-errors", "retry", str(SCRIPT)])
 
 
 def test_horovods_elastic_mnist_with_only_its_import_changed_survives_a_sigkill(tmp_path):

@@ -67,6 +67,10 @@ class Communicator(abc.ABC):
         #: whose ready buckets wait for a step check's answer on the helper thread launches them first, so that a
         #: collective the loop calls between backward() and step() comes after them on every rank.
         self.before_check: list = []
+        #: Callables run before every collective is issued, on the issuing thread: the ``_async`` queue's
+        #: (:mod:`elastic_ring.collectives.ordered`) makes a collective of another thread wait until the queue
+        #: ran what was called before it, so that every rank issues its collectives in the same order.
+        self.before_issue: list = []
 
     # ------------------------------------------------------------ properties
     @property
@@ -187,6 +191,8 @@ class Communicator(abc.ABC):
 
     def _guarded(self, fn, *args) -> Work:
         self.check_usable()
+        for hook in self.before_issue:
+            hook()
         name = fn.__name__.lstrip("_")
         event = timeline.begin_async(name, "collective", bytes=_bytes_of(args)) if timeline.is_enabled() else None
         try:

@@ -155,6 +155,9 @@ class _GlooBuckets(BucketPath):
         pg = comm._pg
         if pg is None or comm._error is not None or comm._closed or self._recorded:
             return comm.allreduce(tensor, ReduceOp.SUM)  # its checks raise what is wrong; the timeline records it
+        if comm.before_issue:  # an _async queue: what was called before this bucket goes out first
+            for hook in comm.before_issue:
+                hook()
         try:
             raw = pg.allreduce([tensor], self._opts)
         except _BACKEND_FAILURES as exc:

@@ -73,6 +73,23 @@ class Rendezvous(Protocol):
 
 
 _rendezvous: Rendezvous | None = None
+#: Called as ``listener(reason)`` on every rank right after each new ring formed (``runtime.init``), before the
+#: state's reset callbacks and sync: the same point on every rank of the ring, whichever loop re-formed it.
+_reform_listeners: list[Callable[[str], None]] = []
+
+
+def add_reform_listener(listener: Callable[[str], None]) -> None:
+    """Call ``listener(reason)`` right after every ring this process forms (``reason``: ``"start"``,
+    ``"failure"`` or ``"membership"``), on every rank at the same point, before the state's reset callbacks and
+    sync; it may run collectives on the new ring, and a :class:`CommError` it raises is a failure of the re-form."""
+    if not callable(listener):
+        raise TypeError(f"reform listener {listener!r} is not callable")
+    _reform_listeners.append(listener)
+
+
+def remove_reform_listener(listener: Callable[[str], None]) -> None:
+    if listener in _reform_listeners:
+        _reform_listeners.remove(listener)
 
 
 def set_rendezvous(rendezvous: Rendezvous | None) -> None:
@@ -103,6 +120,8 @@ def _reform(reason: str) -> None:
             raise RendezvousError(f"the rendezvous failed while asking for the next ring ({reason}): "
                                   f"{type(exc).__name__}: {exc}") from exc
         runtime.init(spec)
+        for listener in list(_reform_listeners):
+            listener(reason)
     _log.info("re-formed the ring after %s in %.3f s", reason, time.monotonic() - started)
 
 

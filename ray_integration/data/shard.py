@@ -36,6 +36,7 @@ from elastic_ring.core.validation import check_int
 from elastic_ring.ring import runtime
 from state import ElasticSampler
 
+from ..errors import InputUnavailable
 from . import convert
 from .prepare import BlockSpan, PreparedDataset
 
@@ -45,10 +46,24 @@ _log = get_logger(__name__)
 
 #: The longest a block's fetch from the object store may take.
 FETCH_TIMEOUT_S = 300.0
-#: Tries of one block's read when a try times out (the object store busy, a node slow to answer).
+#: Tries of one block's read when a try fails in the object store (a timeout, a lost object); after the last, the
+#: worker leaves as a lost worker (InputUnavailable).
 FETCH_TRIES = 3
 #: Seconds between those tries.
 FETCH_RETRY_DELAY_S = 1.0
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """A read that failed because of the object store or the block's producer (a lost object, a dead owner, a
+    producer that cannot be re-run on a reclaimed node), not because of the code reading it: tried again, then the
+    worker leaves as a lost worker (:class:`~ray_integration.errors.InputUnavailable`)."""
+    if _transient(exc):
+        return True
+    try:
+        from ray.exceptions import RayError
+    except ImportError:
+        return False
+    return isinstance(exc, RayError)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -118,8 +133,14 @@ class BlockCache:
             try:
                 return self._get_once(b, keep)
             except Exception as exc:  # the entry is gone (_get_once): the next try, or the next read, refetches
-                if attempt == FETCH_TRIES or not _transient(exc):
+                if not _unreadable(exc):
                     raise
+                if attempt == FETCH_TRIES:
+                    raise InputUnavailable(
+                        f"block {b} of {len(self._spans)} of the dataset could not be read in {FETCH_TRIES} tries "
+                        f"({type(exc).__name__}: {exc}): its object is lost or its producer cannot run again; this "
+                        "worker leaves the job as a lost worker, its peers re-form from their live state, and its "
+                        "replacement reads the block again") from exc
                 self.retries += 1
                 _log.warning("reading block %d of %d failed (%s: %s); trying again (%d of %d tries)", b,
                              len(self._spans), type(exc).__name__, exc, attempt + 1, FETCH_TRIES)
@@ -318,8 +339,9 @@ class ElasticDataShard(ElasticSampler):
         self._warned_unheld = True
         warnings.warn(
             f"shard {self.name!r} is iterated in a ring, but no State holds its position: a failure would lose its "
-            f"place in the epoch. Keep it in the state, TorchState(..., sampler=shard), and iterate it inside "
-            f"@er.elastic.run", RuntimeWarning,
+            f"place in the epoch. If it feeds training steps, keep it in the state, TorchState(..., sampler=shard), "
+            f"and iterate it inside @er.elastic.run (a validation shard may stay outside: a failure then restarts "
+            f"its evaluation epoch)", RuntimeWarning,
             stacklevel=4)
 
     def _use(self, batch_size: Any, drop_last: Any, local_shuffle_buffer_size: Any, prefetch_batches: Any,

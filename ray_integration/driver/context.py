@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from ..config import Limits
 from .decisions import MemberView, StartFailureKind
+from .drains import DrainView
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,16 @@ class Context:
     stop_age_s: float | None
     abort_reason: str | None                 # abandon everything now
     tampering: str | None                    # a live worker's messages keep going missing: why the run must end
-    user_error: UserError | None             # the first worker whose fn raised
+    user_error: UserError | None             # the first worker whose fn raised (not dropped)
     start_failures: tuple[StartFailure, ...]  # oldest first
     returned_early: tuple[str, ...]          # workers whose fn returned before they ever joined a ring
     ever_had_state: bool                     # some worker completed a sync (held the job's state)
     checkpoint: str | None                   # the newest durable checkpoint of the job's state
-    drain_saved: bool                        # one was written after the drain notice that asked for it
+    drain: DrainView | None = None           # members are leaving: the drain's writes the driver asked for
+    write_landing: bool = False              # a write the driver asked for is on its way (its writer works on it)
     start_diagnosis: str | None = None       # set by DiagnoseStart: why fewer than min_workers started
+    raised: tuple[UserError, ...] = ()       # every worker whose fn raised, not dropped yet, oldest first
+    dropped: Mapping[str, UserError] = field(default_factory=dict)  # members dropped because fn raised (replace)
 
 
 # ---------------------------------------------------------------- actions: what a state asks the loop to do
@@ -102,7 +106,8 @@ class RequestCapacity:
 class Form:
     """Form the next round of ``staying`` + ``joiners`` (at most max_workers, plus ``extra`` leaving holders
     in a handover round); ``stop``: the round commits durably and ends; ``handover``: it re-forms right after
-    its sync."""
+    its sync; ``persist``: it commits right after its sync, writes that commit durably (the drain's final write,
+    numbered like a RequestPersist) and re-forms."""
 
     staying: tuple[str, ...]
     joiners: tuple[str, ...]
@@ -110,6 +115,7 @@ class Form:
     stop: bool = False
     handover: bool = False
     extra: int = 0
+    persist: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,9 @@ class Notify:
 @dataclass(frozen=True)
 class RequestPersist:
     """Tell the ring's live members to write their next commit durably (``why``: ``"stop"`` or ``"drain"``),
-    and re-form at it (``change``) or stop at it (``stop``); recorded as a ``persist_requested`` event."""
+    and re-form at it (``change``) or stop at it (``stop``), or train on (neither: a drain's probe); recorded as a
+    ``persist_requested`` event. A drain's write is numbered (:class:`~.drains.PersistLog`) and retried until
+    ``deadline_s`` from now."""
 
     why: str
     deadline_s: float | None
@@ -169,6 +177,14 @@ class DropRing:
 
 
 @dataclass(frozen=True)
+class DropRaised:
+    """Count these members, whose fn raised, as lost workers (kill their actors; they are replaced):
+    ``TrainerConfig.worker_errors="replace"``."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DiagnoseStart:
     """Find out why fewer than min_workers started (``ready`` did): ``Context.start_diagnosis``."""
 
@@ -176,4 +192,4 @@ class DiagnoseStart:
 
 
 Action = (AddEvent | PollDrains | KillSilent | RequestCapacity | Form | Notify | RequestPersist | AbortRound
-          | StopWorkers | StopWaiting | ReportLost | CountFailure | DropRing | DiagnoseStart)
+          | StopWorkers | StopWaiting | ReportLost | CountFailure | DropRing | DiagnoseStart | DropRaised)

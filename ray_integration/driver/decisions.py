@@ -10,9 +10,10 @@ driver's own monotonic clock (never a worker's). The deadlines come as
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import STUCK_GRACE_S, Limits  # noqa: F401  (Limits: the deadlines every decision reads)
+from .drains import DRAIN_MARGIN_S, DrainView, KeepersStep, keepers_step, persist_due  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,12 @@ def driver_stalled(gap_s: float, since_last_grace_s: float, limits: Limits) -> b
 STALL_GAP_MIN_S = 1.0
 
 
+def _returned(alive: list[MemberView]) -> bool:
+    """fn returned on the ring: on a member that stays, or on every member (a leaving member that was let go has
+    finished too, but the job has not)."""
+    return any(m.finished and not m.leaving for m in alive) or bool(alive) and all(m.finished for m in alive)
+
+
 class Outcome(enum.Enum):
     CONTINUE = "continue"
     FINISH = "finish"
@@ -131,7 +138,7 @@ class Outcome(enum.Enum):
 def running_outcome(members: list[MemberView]) -> Outcome:
     """What the running ring's members say: keep going, it is done, or it must re-form (and why)."""
     alive = [m for m in members if m.alive]
-    if any(m.finished for m in alive) and all(m.finished or m.waiting == "failure" for m in alive):
+    if _returned(alive) and all(m.finished or m.waiting == "failure" for m in alive):
         return Outcome.FINISH   # fn returned; a peer lost at the very end does not undo that
     if any(m.dead for m in members) or any(m.waiting == "failure" for m in alive):
         return Outcome.REFORM_FAILURE
@@ -140,37 +147,75 @@ def running_outcome(members: list[MemberView]) -> Outcome:
     return Outcome.CONTINUE
 
 
+class ErrorStep(enum.Enum):
+    NONE = "none"   # no worker's fn raised
+    DROP = "drop"   # count the members whose fn raised as lost workers (replaced); the others go on
+    FAIL = "fail"   # end the run with a worker's error
+
+
+@dataclass(frozen=True)
+class ErrorDecision:
+    step: ErrorStep
+    workers: tuple[str, ...] = ()  # DROP: the members to count as lost
+    worker: str | None = None      # FAIL: whose error ends the run
+    all_failed: bool = False       # FAIL: because every member of the ring failed (not the policy)
+
+
+def worker_error_decision(policy: str, raised: list[str], members: list[MemberView],
+                          dropped: frozenset[str] | set[str]) -> ErrorDecision:
+    """What to do about the workers whose ``fn`` raised (``raised``, oldest first, not dropped yet). ``policy``
+    (``TrainerConfig.worker_errors``): ``"fail"`` ends the run with the first error. ``"replace"`` is Horovod's
+    elastic mode: a member whose fn raised is a failed worker, dropped and replaced while the others go on; the run
+    fails when every member of the ring failed (each raised, was dropped for raising, or was lost), naming the
+    error of the lowest rank that raised; and at once for a worker that raised before it joined any ring (its
+    script cannot start: every replacement would fail alike)."""
+    if not raised:
+        return ErrorDecision(ErrorStep.NONE)
+    if policy != "replace":
+        return ErrorDecision(ErrorStep.FAIL, worker=raised[0])
+    ids = [m.worker_id for m in members]
+    outside = [w for w in raised if w not in ids]
+    if outside:
+        return ErrorDecision(ErrorStep.FAIL, worker=outside[0])
+    failed = set(raised) | set(dropped)
+    if all(m.dead or m.worker_id in failed for m in members):
+        first = next(w for w in ids if w in failed)
+        return ErrorDecision(ErrorStep.FAIL, worker=first, all_failed=True)
+    return ErrorDecision(ErrorStep.DROP, workers=tuple(w for w in ids if w in raised))
+
+
 class Step(enum.Enum):
     WAIT = "wait"        # not everyone is at the rendezvous yet, or capacity may still come
     FORM = "form"        # form the next ring of `staying` (+ joiners); with no holder left, it resumes from the checkpoint
     HANDOVER = "handover"  # only leaving members hold the state: form a ring of them + staying + joiners that
                            # syncs the state to the others, then re-forms at once without the leavers
     RELEASE = "release"  # leaving holders cannot wait longer and the state is in a durable checkpoint: let them go
+    PERSIST = "persist"  # only leaving members hold the state: form a ring of them that commits after its sync,
+                         # writes that commit durably (the drain's final write) and re-forms at once
     FORM_STOP = "form_stop"  # form it of `staying` (or the leaving holders) only, told to commit durably and stop
     FINISH = "finish"    # some members returned from fn and the rest are lost or waiting: the job is done
     STOPPED = "stopped"  # stop requested and nothing left to save
     FAIL = "fail"
 
 
-#: A leaving holder with no taker is let go (its state is in the drain commit's checkpoint) this long before its
-#: node's drain deadline, so that it leaves by itself rather than being killed with the node.
-DRAIN_MARGIN_S = 5.0
-
-
 @dataclass(frozen=True)
 class ReformDecision:
     step: Step
     message: str = ""
+    keep_leavers: bool = False  # FORM: the leaving members stay in the ring (they train until the final write)
+    release_leavers: bool = False  # WAIT: others hold the state; the leaving members waiting may go now
+    saved: bool = False         # RELEASE: the drain's final write landed (else an older checkpoint keeps the state)
 
 
 def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_had_state: bool,
                     waited_s: float, limits: Limits, checkpoint: bool = False,
-                    drain_saved: bool = False) -> ReformDecision:
+                    drain: DrainView | None = None, round_id: int = 0, write_landing: bool = False) -> ReformDecision:
     """The re-forming ring's next step. ``waited_s``: since the re-form began (driver clock);
     ``checkpoint``: a durable checkpoint of the job's state exists (written or resumed in this run);
-    ``drain_saved``: one was written after the drain notice that asked for it (the drain commit itself)."""
+    ``drain``: the current drain's writes (:mod:`.drains`), None when no member is leaving; ``write_landing``: a
+    write the driver asked for is still on its way (its writer works on it)."""
     alive = [m for m in members if m.alive]
-    if any(m.finished for m in alive) and all(m.finished or m.waiting is not None for m in alive):
+    if _returned(alive) and all(m.finished or m.waiting is not None for m in alive):
         return ReformDecision(Step.FINISH)
     staying = [m for m in alive if not m.leaving and not m.finished]
     leaving = [m for m in alive if m.leaving and not m.finished]
@@ -178,16 +223,23 @@ def reform_decision(members: list[MemberView], joiners: int, stop: bool, ever_ha
         return ReformDecision(Step.WAIT)
     keepers = [m for m in leaving if m.has_state]   # leaving, but they hold the state: hand it over first
     if any(m.has_state for m in staying) or not ever_had_state:
-        return _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits)
+        if ever_had_state and not stop and _keep_leavers(staying, leaving, joiners, limits, drain, round_id):
+            decision = _form_or_wait(len(staying) + len(leaving) + joiners, stop, staying + leaving, waited_s, limits)
+            if decision.step is Step.FORM:
+                return replace(decision, keep_leavers=True)
+        decision = _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits)
+        return replace(decision, release_leavers=bool(leaving)) if decision.step is Step.WAIT else decision
     if stop:
         if keepers:
             return ReformDecision(Step.FORM_STOP)   # the leaving holders commit durably and stop
         return ReformDecision(Step.STOPPED, "every worker that held the job's state was lost; nothing in memory "
                                             "to save (the newest durable checkpoint stays the newest)")
     if keepers:
-        return _handover(keepers, len(staying) + joiners, drain_saved, waited_s, limits)
+        return _keepers(keepers, len(staying) + joiners, waited_s, limits, drain, checkpoint, round_id)
     if checkpoint:   # every holder is gone, but the state is durable: resume from it in this run
         return _form_or_wait(len(staying) + joiners, stop, staying, waited_s, limits, resume=True)
+    if write_landing:  # the leavers went while their final write was landing: its outcome decides
+        return ReformDecision(Step.WAIT)
     return ReformDecision(Step.FAIL, (
         "every worker that held the job's state was lost at once (the rest had just joined and not yet received "
         "it), and no durable checkpoint exists; nothing can be recovered. Set checkpoint_uri to resume after "
@@ -211,25 +263,52 @@ def _form_or_wait(available: int, stop: bool, staying: list[MemberView], waited_
     return ReformDecision(Step.FORM, "resume from the newest durable checkpoint" if resume else "")
 
 
-def _handover(keepers: list[MemberView], takers: int, drain_saved: bool, waited_s: float,
-              limits: Limits) -> ReformDecision:
-    """Only leaving members hold the state. Hand it to any taker at once; without one, wait while the
-    drain allows (capacity may come), then let them go if the state is durable, else fail."""
-    if takers > 0:
+def _leave_in_s(members: list[MemberView]) -> float | None:
+    left = [m.leave_in_s for m in members if m.leave_in_s is not None]
+    return min(left) if left else None
+
+
+def _keep_leavers(staying: list[MemberView], leaving: list[MemberView], joiners: int, limits: Limits,
+                  drain: DrainView | None, round_id: int) -> bool:
+    """Leaving members whose state others hold stay in the next ring while their drain still needs its final
+    write (the ring left behind would be too small) and it is not due yet: they train until then."""
+    if not leaving or drain is None or not drain.can_persist:
+        return False
+    if not persist_before_leaving(len(staying) + joiners, limits.min_workers, sum(1 for m in staying if m.has_state)):
+        return False
+    final = drain.final
+    if final is not None and (final.saved or final.pending(round_id)):
+        return False
+    return not persist_due(_leave_in_s(leaving), drain)
+
+
+_RELEASE_SAVED = ("no worker came to take the state before the drain deadline; the drain's final write, a durable "
+                  "checkpoint, holds it (that commit was saved), and the job resumes from it when capacity comes")
+_RELEASE_OLDER = ("no worker came to take the state before the drain deadline, and the drain's final write had not "
+                  "landed (the leaving rank 0 still writes it, or it failed: see the checkpoint events); the job "
+                  "resumes from the newest checkpoint when capacity comes, and trains again what came after it")
+
+
+def _keepers(keepers: list[MemberView], takers: int, waited_s: float, limits: Limits,
+             drain: DrainView | None, checkpoint: bool, round_id: int) -> ReformDecision:
+    """Only leaving members hold the state (:func:`~.drains.keepers_step`)."""
+    kept = keepers_step(len(keepers), takers, _leave_in_s(keepers), waited_s, limits, drain, checkpoint, round_id)
+    if kept.step is KeepersStep.HANDOVER:
         return ReformDecision(Step.HANDOVER)
-    deadlines = [m.leave_in_s for m in keepers if m.leave_in_s is not None]
-    near = min(deadlines) <= DRAIN_MARGIN_S if deadlines else waited_s > limits.capacity_wait_s
-    if not near:
-        return ReformDecision(Step.WAIT)
-    if drain_saved:
-        return ReformDecision(Step.RELEASE, "no worker came to take the state before the drain deadline; it is in "
-                                            "the drain commit's durable checkpoint, and the job resumes from it "
-                                            "when capacity comes")
-    return ReformDecision(Step.FAIL, (
-        "every worker holding the job's state is on a draining node, no other worker came to take the state "
-        "before the drain deadline, and no durable checkpoint of the drain commit was written to keep it; set "
-        "checkpoint_uri (the drain commit is then written durably and the job resumes when capacity returns; "
-        "if it is set, the checkpoint_failed events say why the write failed), or keep capacity for replacements"))
+    if kept.step is KeepersStep.TRAIN:
+        return ReformDecision(Step.FORM, keep_leavers=True)
+    if kept.step is KeepersStep.PERSIST:
+        return ReformDecision(Step.PERSIST)
+    if kept.step is KeepersStep.RELEASE:
+        return ReformDecision(Step.RELEASE, _RELEASE_SAVED if kept.saved else _RELEASE_OLDER, saved=kept.saved)
+    if kept.step is KeepersStep.FAIL:
+        return ReformDecision(Step.FAIL, (
+            "every worker holding the job's state is on a draining node, no other worker came to take the state "
+            "before the drain deadline, and no durable checkpoint of the drain commit was written to keep it; set "
+            "checkpoint_uri (the drain commit is then written durably and the job resumes when capacity returns; "
+            "if it is set, the checkpoint_failed events say why the write failed), or keep capacity for "
+            "replacements"))
+    return ReformDecision(Step.WAIT)
 
 
 def should_grow(world_size: int, ready_joiners: int, max_workers: int, change_pending: bool, stopping: bool) -> bool:

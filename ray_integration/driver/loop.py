@@ -23,13 +23,15 @@ import elastic_ring as er
 from ..config import TrainerConfig
 from . import decisions
 from .context import (
-    AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRing, Form, KillSilent, Notify,
-    PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
+    AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent,
+    Notify, PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
 )
 from .decisions import Kill, Verdict
+from .drains import DrainView
 from .events import EventLog
 from .formation import Member, Ring, form_ring, parent_ranks
 from .pool import WorkerPool, WorkerRecord
+from .preemption import Preemption
 from .states import DriverState, Starting
 from .watcher import RayWatcher
 
@@ -58,8 +60,9 @@ class Driver:
         self.tampering: str | None = None     # set when a live worker's messages keep going missing
         self.deferred_at: float | None = None  # since when silence verdicts wait for the inbox's backlog
         self.last_grace = float("-inf")       # when every worker last got a fresh grace (a driver stall)
-        self.drain_persist_at: float | None = None  # when a drain notice last asked for a durable commit
         self.start_diagnosis: str | None = None
+        self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
+        self.preemption = Preemption()         # what the ring's members were last told of their nodes' drains
 
     # ------------------------------------------------------------ inputs (safe from a signal handler or any thread)
     def request_stop(self, reason: str) -> None:
@@ -92,7 +95,8 @@ class Driver:
         now = time.monotonic()
         records = self.pool.records.values()
         members = self.members()
-        user_error = next((r for r in records if r.user_error is not None), None)
+        raised = tuple(UserError(r.worker_id, r.node_id, r.user_error) for r in records
+                       if r.user_error is not None and r.worker_id not in self.dropped)
         return Context(
             now=now, limits=self.limits, start_timeout_s=self.config.start_timeout_s, round_id=self.round_id,
             world_size=self.world_size, members=tuple(r.view(now) for r in members),
@@ -103,14 +107,21 @@ class Driver:
             stop_reason=self.stop_reason,
             stop_age_s=None if self.stop_requested_at is None else now - self.stop_requested_at,
             abort_reason=self.abort_reason, tampering=self.tampering,
-            user_error=None if user_error is None else UserError(user_error.worker_id, user_error.node_id,
-                                                                 user_error.user_error),
+            user_error=raised[0] if raised else None, raised=raised, dropped=dict(self.dropped),
             start_failures=tuple(StartFailure(r.worker_id, r.start_kind, r.start_error)
                                  for r in self.pool.start_failures),
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
             ever_had_state=any(r.has_state for r in records), checkpoint=self.pool.durable_checkpoint,
-            drain_saved=self.drain_persist_at is not None and self.pool.durable_at > self.drain_persist_at,
-            start_diagnosis=self.start_diagnosis)
+            drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis,
+            write_landing=self.pool.persists.landing(
+                lambda w: w in self.pool.records and not self.pool.records[w].dead and not self.pool.records[w].finished))
+
+    def drain_view(self, members: list[WorkerRecord], now: float) -> DrainView | None:
+        """The writes asked for since the ring's current leavers began leaving (None: nobody is leaving)."""
+        since = [r.leaving_since for r in members if r.leaving and not r.dead and r.leaving_since is not None]
+        if not since:
+            return None
+        return self.pool.persists.view(min(since), now, can_persist=self.config.checkpoint_uri is not None)
 
     # ------------------------------------------------------------ the one place that acts
     def act(self, action: Action) -> None:
@@ -126,15 +137,19 @@ class Driver:
             case RequestCapacity():
                 counted = [r for r in self.pool.live() if not r.leaving and r.node_id not in self.draining]
                 self.pool.request(decisions.workers_to_request(len(counted), self.config.max_workers))
-            case Form(staying, joiners, reason, stop, handover, extra):
-                self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra)
+            case Form(staying, joiners, reason, stop, handover, extra, persist):
+                self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra,
+                          persist)
             case Notify():
                 self.pool.notify(self.members(), self.round_id, change=True)
             case RequestPersist(why, deadline_s, change, stop):
-                self.pool.notify(self.members(), self.round_id, change=change, persist=True, stop=stop)
-                if why == "drain":
-                    self.drain_persist_at = time.monotonic()
-                self.events.add("persist_requested", self.round_id, self.world_size, why=why, deadline_s=deadline_s)
+                persist_id = 0
+                if why == "drain":  # numbered: its write's events say that this commit was saved
+                    persist_id = self.pool.persists.ask(final=change, round_id=self.round_id, now=time.monotonic())
+                self.pool.notify(self.members(), self.round_id, change=change, persist=True, stop=stop,
+                                 persist_id=persist_id, within_s=deadline_s if why == "drain" else None)
+                self.events.add("persist_requested", self.round_id, self.world_size, why=why, deadline_s=deadline_s,
+                                **({"persist": persist_id, "final": change} if persist_id else {}))
             case AbortRound(why):
                 self.pool.abort_round(self.members(), self.round_id, why)
             case StopWorkers(workers, why):
@@ -153,6 +168,12 @@ class Driver:
                 self.failure_times.append(now)
             case DropRing():
                 self.ring = None
+            case DropRaised(workers):
+                for r in (records[w] for w in workers):
+                    self.dropped[r.worker_id] = UserError(r.worker_id, r.node_id, r.user_error)
+                    lines = (r.user_error.remote_traceback or "").strip().splitlines()
+                    self.pool.kill(r, f"fn raised on rank {r.user_error.rank}: {lines[-1] if lines else '?'} "
+                                      "(worker_errors='replace': a failed worker, replaced)")
             case DiagnoseStart(ready):
                 self.start_diagnosis = self.diagnose_start(ready)
             case _:
@@ -170,7 +191,7 @@ class Driver:
         newly = [r for r in self.pool.live() if r.node_id in self.draining and not r.leaving]
         for r in newly:
             deadline_ms = self.draining[r.node_id]
-            r.leaving = True
+            r.leaving, r.leaving_since = True, time.monotonic()
             r.leave_by = time.monotonic() + (deadline_ms / 1000 - time.time()) if deadline_ms else None
         self.newly_draining = tuple(r.worker_id for r in newly)
         members = set(self.ring.worker_ids) if self.ring else set()
@@ -181,6 +202,14 @@ class Driver:
                             deadline_ms=self.draining[node], deadline_s=round(min(left), 1) if left else None,
                             workers=[r.worker_id for r in on_node if r.worker_id in members],
                             joiners=[r.worker_id for r in on_node if r.worker_id not in members])
+        self.tell_preemption()
+
+    def tell_preemption(self) -> None:
+        """Tell the ring's members (through Ray) which of its ranks are on draining nodes and the earliest deadline,
+        when that changed: what ``get_preemption_info()`` answers in ``fn``."""
+        notice = self.preemption.notice(self.ring, self.pool.records, self.draining)
+        if notice is not None:
+            self.pool.tell_preemption(self.members(), notice)
 
     def kill_silent(self, members: list[WorkerRecord], failure_age_s: float | None) -> None:
         """Kill members the decisions condemn, and other workers silent past the heartbeat timeout (the same rule,
@@ -227,11 +256,17 @@ class Driver:
                 self.pool.kill(r, kill.cause)
 
     def form(self, members: list[WorkerRecord], joiners: list[WorkerRecord], reason: str, stop: bool = False,
-             handover: bool = False, extra: int = 0) -> None:
+             handover: bool = False, extra: int = 0, persist: bool = False) -> None:
         """Form the next round of ``members`` + ``joiners`` (at most max_workers, plus ``extra`` leaving
-        holders in a handover round, which re-forms without them right after its sync)."""
+        holders in a handover round, which re-forms without them right after its sync); ``persist``: a round that
+        writes the state (the drain's final write, numbered) right after its sync and re-forms."""
         chosen = (members + joiners)[: self.config.max_workers + extra]
         self.round_id += 1
+        persist_id = self.pool.persists.ask(final=True, round_id=self.round_id, now=time.monotonic()) if persist else 0
+        within_s = None
+        if persist:
+            left = [x for x in (r.leave_in_s(time.monotonic()) for r in chosen) if x is not None]
+            within_s = min(left) if left else None
         parent = self.ring
         self.ring = form_ring([Member(r.worker_id, r.node_id, r.joined_seq, r.has_state) for r in chosen], self.round_id)
         lineage = parent_ranks(parent, self.ring) if self.config.nccl_reform == "shrink_grow" else None
@@ -246,7 +281,7 @@ class Driver:
                                nccl_reform=self.config.nccl_reform,
                                parent_round=parent.round_id if lineage else None, parent_ranks=lineage)
             was_member = record.in_ring
-            self.pool.answer(record, spec, stop=stop, handover=handover)
+            self.pool.answer(record, spec, stop=stop, handover=handover, persist_id=persist_id, within_s=within_s)
             if not was_member and reason != "start":
                 waited = None if record.ready_at is None else round(time.monotonic() - record.ready_at, 3)
                 self.events.add("worker_joined", self.round_id, self.ring.world_size, worker=worker_id,
@@ -254,7 +289,9 @@ class Driver:
         if self.stop_reason is not None and not stop:
             self.pool.notify(self.members(), self.round_id, stop=True, persist=True)
         self.events.add("ring_formed", self.round_id, self.ring.world_size, reason=reason, stop=stop, handover=handover,
-                        ranks=list(self.ring.worker_ids), nodes=[n[:12] for n in self.ring.node_ids])
+                        ranks=list(self.ring.worker_ids), nodes=[n[:12] for n in self.ring.node_ids],
+                        **({"persist": persist_id} if persist_id else {}))
+        self.tell_preemption()
 
     def diagnose_start(self, ready: int) -> str:
         """Why fewer than min_workers started: missing resources (which), or workers that did not get ready."""

@@ -27,6 +27,7 @@ from ..wire.protocol import DriverKind, Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from ..worker.actor import RingWorker  # the one import of the worker side: the pool creates its actors
 from .decisions import MemberView, Probe, StartFailureKind
+from .drains import PersistLog
 
 _RemoteWorker = ray.remote(RingWorker)
 
@@ -55,6 +56,7 @@ class WorkerRecord:
     cause: str | None = None
     finished: bool = False
     leaving: bool = False           # its node drains: it leaves the ring at the next commit
+    leaving_since: float | None = None  # driver clock: when the driver saw its node drain
     leave_by: float | None = None   # driver clock: its node's drain deadline (None: none known)
     unheard: int = 0                # times in a row it answered through Ray while its messages were missing
     probe_ref: Any = None           # a ping through Ray in flight (see WorkerPool.probe)
@@ -110,7 +112,7 @@ class WorkerPool:
         self._ready_seq = itertools.count()
         self._by_ref: dict[Any, tuple[str, str]] = {}   # ObjectRef -> (worker id, "info" | "run")
         self.durable_checkpoint: str | None = None  # the newest checkpoint of the job's state (written or resumed)
-        self.durable_at = float("-inf")  # when the driver learned of the last one written (driver clock)
+        self.persists = PersistLog()  # the writes the driver asked for (drains), by number, from the workers' events
         self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
 
     # ------------------------------------------------------------ effects
@@ -139,9 +141,14 @@ class WorkerPool:
     def _deliver(self, record: WorkerRecord, answer: dict) -> None:
         self.send.send(self.keys.worker_inbox(record.worker_id), answer.pop("k"), **answer)
 
-    def answer(self, record: WorkerRecord, spec: er.RingSpec, stop: bool = False, handover: bool = False) -> None:
+    def answer(self, record: WorkerRecord, spec: er.RingSpec, stop: bool = False, handover: bool = False,
+               persist_id: int = 0, within_s: float | None = None) -> None:
+        """Answer ``record``'s ring request with ``spec``; ``persist_id``: the round writes its state right after
+        its sync (the driver's write number; retried for ``within_s``) and re-forms."""
         record.answer = {"k": DriverKind.RING, "generation": record.generation, "spec": spec.to_wire(), "stop": stop,
                          "handover": handover}
+        if persist_id:
+            record.answer.update(persist=persist_id, within_s=within_s)
         self._deliver(record, dict(record.answer))
         record.answered, record.answered_at, record.in_ring = record.generation, time.monotonic(), True
 
@@ -157,11 +164,21 @@ class WorkerPool:
             self.stop(record, why)
 
     def notify(self, records: list[WorkerRecord], round_id: int, change: bool = False, persist: bool = False,
-               stop: bool = False) -> None:
-        """Tell ``records`` (through Ray) what round ``round_id`` must do at its next commit."""
+               stop: bool = False, persist_id: int = 0, within_s: float | None = None) -> None:
+        """Tell ``records`` (through Ray) what round ``round_id`` must do at its next commit (``persist_id``: the
+        driver's number of the write it asks for, retried for ``within_s`` seconds)."""
         for record in records:
             if not record.dead:
-                record.actor.notify.remote(round_id, change, persist, stop)
+                if persist_id:
+                    record.actor.notify.remote(round_id, change, persist, stop, persist_id, within_s)
+                else:
+                    record.actor.notify.remote(round_id, change, persist, stop)
+
+    def tell_preemption(self, records: list[WorkerRecord], notice: dict) -> None:
+        """Tell ``records`` (through Ray) the ring's preemption notice (what ``get_preemption_info()`` answers)."""
+        for record in records:
+            if not record.dead and not record.finished:
+                record.actor.preemption_notice.remote(notice)
 
     def abort_round(self, records: list[WorkerRecord], round_id: int, why: str) -> None:
         """Tell ``records`` (through Ray, not the store) to abandon round ``round_id`` at once: a collective or a
@@ -276,7 +293,8 @@ class WorkerPool:
         if isinstance(msg.get("event"), dict):
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
             if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
-                self.durable_checkpoint, self.durable_at = msg["event"]["uri"], now
+                self.durable_checkpoint = msg["event"]["uri"]
+            self.persists.apply(msg["event"], now, record.worker_id)
 
     def _fault(self, record: WorkerRecord, msg: dict, now: float) -> None:
         record.fault = f"{msg.get('what')}: {msg.get('error')}"

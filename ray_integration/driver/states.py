@@ -17,13 +17,14 @@ from typing import Any, Generator
 
 from elastic_ring import shadowing
 
-from ..errors import RunFailed
+from ..errors import RunFailed, WorkerError
 from . import decisions
+from .drains import DrainStep, DrainView, drain_step
 from .context import (
-    AbortRound, Action, Context, CountFailure, DiagnoseStart, DropRing, Form, KillSilent, Notify, PollDrains,
-    ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
+    AbortRound, Action, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent, Notify,
+    PollDrains, ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
 )
-from .decisions import MemberView, Outcome, StartFailureKind, Step
+from .decisions import ErrorStep, MemberView, Outcome, StartFailureKind, Step
 
 #: Without max_workers ready, start once no new worker became ready for this long.
 START_GRACE_S = 2.0
@@ -68,17 +69,24 @@ class Stopped(DriverState):
 
 
 def _fatal(ctx: Context) -> Generator[Action, Context, DriverState | None]:
-    """A user error, a worker that cannot start, tampering, or an abandoned stop ends the run in every state."""
+    """A user error, a worker that cannot start, tampering, or an abandoned stop ends the run in every state. With
+    ``worker_errors="replace"`` a member whose fn raised is dropped instead (a lost worker, replaced), unless
+    every member of the ring failed (:func:`decisions.worker_error_decision`)."""
     if ctx.abort_reason is not None:
         return Stopped(ctx.abort_reason, forced=True)
     if ctx.tampering is not None:
         yield event("failed", reason="messages lost or forged")
         return Failed(RunFailed(ctx.tampering))
-    if ctx.user_error is not None:
-        failed = ctx.user_error
-        yield event("failed", reason="user error", worker=failed.worker_id, rank=failed.error.rank,
-                    node=failed.node_id)
-        return Failed(failed.error)
+    raised = ctx.raised or ((ctx.user_error,) if ctx.user_error is not None else ())
+    decision = decisions.worker_error_decision(ctx.limits.worker_errors, [e.worker_id for e in raised],
+                                               list(ctx.members), frozenset(ctx.dropped))
+    if decision.step is ErrorStep.DROP:  # Horovod's elastic mode: failed workers, replaced; the others go on
+        yield DropRaised(decision.workers)
+    elif decision.step is ErrorStep.FAIL:
+        failed = next((e for e in raised if e.worker_id == decision.worker), None) or ctx.dropped[decision.worker]
+        yield event("failed", reason="every worker of the ring failed" if decision.all_failed else "user error",
+                    worker=failed.worker_id, rank=failed.error.rank, node=failed.node_id)
+        return Failed(_every_worker_failed(failed.error, len(ctx.members)) if decision.all_failed else failed.error)
     decisive = decisions.start_failure_verdict([f.kind for f in ctx.start_failures])
     if decisive is not None:
         failure = ctx.start_failures[decisive]
@@ -88,6 +96,22 @@ def _fatal(ctx: Context) -> Generator[Action, Context, DriverState | None]:
         times = "" if decisive == 0 else f" ({decisive + 1} workers failed to start)"
         return Failed(RunFailed(f"worker {failure.worker_id} could not start or load fn{times}:\n{failure.error}{hint}"))
     return None
+
+
+def _every_worker_failed(error: WorkerError, members: int) -> WorkerError:
+    """The error that ends a run whose every member failed (``worker_errors="replace"``): the first's, saying so."""
+    return WorkerError(error.worker_id, error.rank, error.node_id, error.hostname, error.remote_traceback,
+                       f"every worker of the ring failed ({members} of {members}: each raised or was lost, "
+                       f"worker_errors='replace'); the first error: {error.what}")
+
+
+def _last_raised(ctx: Context) -> str:
+    """The newest error of a worker dropped because its fn raised (``worker_errors="replace"``), for a message."""
+    if not ctx.dropped:
+        return ""
+    error = list(ctx.dropped.values())[-1].error
+    lines = (error.remote_traceback or "").strip().splitlines()
+    return f"; the last worker lost to an error: fn raised on rank {error.rank}: {lines[-1] if lines else '?'}"
 
 
 def _names_its_fix(error: str | None) -> bool:
@@ -102,7 +126,7 @@ def _stop_overdue(ctx: Context) -> DriverState:
 
 def _finish(ctx: Context) -> Steps:
     """fn returned on some members; the value is the lowest finished rank's (rank 0's unless it was lost)."""
-    done = [m for m in ctx.members if m.finished and not m.dead]
+    done = sorted((m for m in ctx.members if m.finished and not m.dead), key=lambda m: m.leaving)  # stayers first
     waiting = tuple(m.worker_id for m in ctx.members if m.waiting is not None)
     if waiting:
         yield StopWorkers(waiting, "the job finished")
@@ -114,10 +138,18 @@ def _finish(ctx: Context) -> Steps:
     return Finished(ctx.results.get(done[0].worker_id))
 
 
-def _drain_deadline_s(members: list[MemberView]) -> float | None:
+def _drain_deadline_s(members: list[MemberView] | tuple[MemberView, ...]) -> float | None:
     """Seconds left before the earliest drain deadline of ``members`` (None: none known)."""
     left = [m.leave_in_s for m in members if m.leave_in_s is not None]
     return round(min(left), 1) if left else None
+
+
+def _needs_persist(ctx: Context) -> bool:
+    """The ring's leavers must leave the state in storage: the ring left behind would be too small, or would hold
+    none of it (:func:`decisions.persist_before_leaving`)."""
+    staying = [m for m in ctx.members if not m.leaving and not m.dead]
+    return decisions.persist_before_leaving(len(staying) + len(ctx.joiners), ctx.limits.min_workers,
+                                            sum(1 for m in staying if m.has_state))
 
 
 class Starting(DriverState):
@@ -151,7 +183,7 @@ class Starting(DriverState):
         ready = ctx.joiners
         if len(ready) != self.ready_seen:
             self.ready_seen, self.last_ready_change = len(ready), ctx.now
-        if decisions.ready_to_start(len(ready), ctx.limits.min_workers, ctx.limits.max_workers,
+        if decisions.ready_to_start(len(ready), ctx.limits.first_ring_workers, ctx.limits.max_workers,
                                     ctx.now - self.last_ready_change, START_GRACE_S):
             yield Form((), ready, reason="start")
             return Running()
@@ -168,18 +200,22 @@ class Running(DriverState):
         self.overdue_reported = False
         self.stop_sent = stop_sent
 
-    def _notify_drains(self) -> Generator[Action, Context, Context]:
-        """Members whose node began draining leave at the next commit, written durably when the ring left
-        behind would be too small or would hold no state (the leavers then hand it over first)."""
+    def _drains(self) -> Generator[Action, Context, Context]:
+        """Members on draining nodes (:mod:`.drains`): when others hold the state and enough remain, they leave at
+        the next step boundary; else the ring trains on, writes a probe at once and the final write just in time,
+        and re-forms at it; ready joiners take the state over live at once."""
         ctx = yield PollDrains()
-        newly = [m for m in ctx.members if m.worker_id in ctx.newly_draining]
-        if not newly:
+        leavers = [m for m in ctx.members if m.leaving and not m.dead and not m.finished]
+        if not leavers:
             return ctx
-        staying = [m for m in ctx.members if not m.leaving and not m.dead]
-        persist = decisions.persist_before_leaving(len(staying) + len(ctx.joiners), ctx.limits.min_workers,
-                                                   sum(1 for m in staying if m.has_state))
-        if persist:
-            ctx = yield RequestPersist("drain", _drain_deadline_s(newly), change=True)
+        step = drain_step(_needs_persist(ctx), self.change_requested, bool(ctx.joiners), _drain_deadline_s(leavers),
+                          ctx.drain or DrainView(can_persist=False), ctx.round_id)
+        if step is DrainStep.NONE:
+            return ctx
+        if step is DrainStep.PROBE:
+            return (yield RequestPersist("drain", _drain_deadline_s(leavers)))
+        if step is DrainStep.PERSIST:
+            ctx = yield RequestPersist("drain", _drain_deadline_s(leavers), change=True)
         else:
             ctx = yield Notify()
         self.change_requested = True
@@ -199,11 +235,12 @@ class Running(DriverState):
             return (yield from _finish(ctx))
         if outcome is not Outcome.CONTINUE:
             return Reforming(outcome.value, since=ctx.now)
-        if ctx.stop_reason is not None:
+        if ctx.stop_reason is not None:  # (a drain is then seen, and the stop's own durable write covers it)
             if decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
                 return _stop_overdue(ctx)
+            yield PollDrains()
             return self
-        ctx = yield from self._notify_drains()
+        ctx = yield from self._drains()
         if self.change_requested and not self.overdue_reported and \
                 ctx.now - self.change_requested_at > COMMIT_OVERDUE_S:
             self.overdue_reported = True
@@ -248,15 +285,18 @@ class Reforming(DriverState):
             ctx = yield CountFailure()
             message = decisions.give_up_after_failure(list(ctx.failure_ages_s), ctx.limits)
             if message:
-                return Failed(RunFailed(message))
+                return Failed(RunFailed(message + _last_raised(ctx)))
         stopping = ctx.stop_reason is not None
         joiners = () if stopping else ctx.joiners
         decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,
                                              ctx.now - self.since, ctx.limits, checkpoint=ctx.checkpoint is not None,
-                                             drain_saved=ctx.drain_saved)
+                                             drain=ctx.drain, round_id=ctx.round_id, write_landing=ctx.write_landing)
         if decision.step is Step.WAIT:
             if stopping and decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
                 return _stop_overdue(ctx)
+            idle = tuple(m.worker_id for m in ctx.members if m.leaving and m.waiting) if decision.release_leavers else ()
+            if idle:  # others hold the state: nothing keeps them (a write of theirs lands before they return)
+                ctx = yield StopWorkers(idle, "its node drains; the others hold the job's state")
             if not stopping:
                 yield RequestCapacity()
             return self
@@ -271,7 +311,7 @@ class Reforming(DriverState):
             leavers = tuple(m.worker_id for m in ctx.members if m.leaving and not m.dead)
             if leavers:
                 yield StopWorkers(leavers, "its node drains; its state is in the drain commit's checkpoint")
-            yield event("drain_released", reason=decision.message, checkpoint=ctx.checkpoint)
+            yield event("drain_released", reason=decision.message, saved=decision.saved, checkpoint=ctx.checkpoint)
             ctx = yield DropRing()  # no member is left: the next ring is formed of whoever comes, from the checkpoint
             return Reforming(self.reason, since=ctx.now, counted=True)  # the capacity wait starts now
         return (yield from self._form(ctx, joiners, decision))
@@ -282,10 +322,14 @@ class Reforming(DriverState):
         keepers = [m for m in members if not m.dead and m.leaving and not m.finished and m.has_state]
         stop = decision.step is Step.FORM_STOP
         handover = decision.step is Step.HANDOVER
+        persist = decision.step is Step.PERSIST
         if stop and not any(m.has_state for m in staying):
             staying = keepers + staying   # only leavers hold the state: they commit durably and stop
-        elif handover:
-            staying = keepers + staying   # they sync the state to the others, then the ring re-forms without them
+        elif handover or persist:
+            staying = keepers + staying   # they sync the state to the others (handover) or write it (persist)
+        elif decision.keep_leavers:       # they train on until the drain's final write, in the room left
+            room = max(0, ctx.limits.max_workers - len(staying) - len(joiners))  # (stayers and joiners first)
+            staying = staying + [m for m in members if not m.dead and m.leaving and not m.finished][:room]
         kept = {m.worker_id for m in staying}
         leavers = tuple(m.worker_id for m in members if m.leaving and not m.dead and m.worker_id not in kept)
         if leavers:
@@ -294,8 +338,9 @@ class Reforming(DriverState):
             ctx = yield StopWorkers(ctx.joiners, "the job stops")
         if decision.message:
             yield event("resuming_from_checkpoint", uri=ctx.checkpoint)
-        ctx = yield Form(tuple(m.worker_id for m in staying), joiners, reason=self.reason, stop=stop,
-                         handover=handover, extra=len(keepers) if handover else 0)
-        kind = "handover" if handover else "recovered" if self.reason == "failure" else "resized"
+        ctx = yield Form(tuple(m.worker_id for m in staying), () if persist else joiners, reason=self.reason,
+                         stop=stop, handover=handover, extra=len(keepers) if handover else 0, persist=persist)
+        kind = ("handover" if handover else "drain_write" if persist else "recovered" if self.reason == "failure"
+                else "resized")
         yield event(kind, seconds=round(ctx.now - self.since, 4))
         return Running(stop_sent=stop)

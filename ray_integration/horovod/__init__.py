@@ -5,9 +5,12 @@ A Horovod (elastic) PyTorch script runs with only its import line changed, under
 calls keep Horovod's names, signatures, defaults and semantics (``average=`` or
 ``op=``, ``prescale_factor`` / ``postscale_factor``, ``root_rank`` positional,
 mismatches as ``RuntimeError``); each maps onto ``elastic_ring`` and ``state``
-(docs/migration.md has the table). The ``_async`` calls are launched at the call and
-paired by call order (:mod:`elastic_ring.collectives.handles`); as Horovod's, one whose ``name`` an operation not
-synchronized yet holds raises ``ValueError`` at once (:func:`.session.named_async`). Process sets run on sub-rings of their ranks
+(docs/migration.md has the table). The ``_async`` calls return at once and run in the background: unnamed, in
+call order on their communicator's queue (:mod:`elastic_ring.collectives.ordered`); named, paired by name as
+Horovod's coordinator pairs them (:mod:`elastic_ring.collectives.negotiation`); as Horovod's, one whose ``name``
+an operation not synchronized yet holds raises ``ValueError`` at once (:func:`.session.launch_async`). Each
+worker's environment holds Horovod's launch variables (``HOROVOD_RANK``, ...) from the first ring it joins
+(:mod:`ray_integration.wire.launch_env`). Process sets run on sub-rings of their ranks
 (:mod:`elastic_ring.ring.process_sets`); sparse tensors are reduced by an allgather of their indices and
 values as in Horovod, and sparse gradients of ``DistributedOptimizer`` are reduced dense and handed
 back sparse. A failed collective raises :class:`HorovodInternalError`, a ``RuntimeError`` (as

@@ -9,6 +9,7 @@ import torch
 
 import elastic_ring as er
 from elastic_ring.collectives.agreement import unanswerable_while_joined
+from elastic_ring.collectives.handles import Handle
 from elastic_ring.core.ops import Average, ReduceOp
 from elastic_ring.reduction.compression import Compression
 
@@ -16,7 +17,7 @@ from . import adasum as _adasum
 from .adasum import Adasum
 from .errors import _hvd_call
 from .process_sets import _agreed, _on, _root, global_process_set
-from .session import named_async, release_name
+from .session import launch_async, release_name
 from .topology import size
 
 
@@ -93,7 +94,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     if isinstance(tensor, torch.Tensor) and tensor.is_sparse:
         reduce_op = _agreed("sparse_allreduce", [], process_set, lambda: _sparse_op(average, op))
         scaled = tensor if prescale_factor == 1.0 else tensor * prescale_factor
-        out = sparse_allreduce_async(scaled, name, reduce_op, process_set)()
+        out = _sparse_result(scaled, *_sparse_parts(scaled, name, reduce_op, process_set))
         return out if postscale_factor == 1.0 else out * postscale_factor
     return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
                              process_set)[0]
@@ -200,33 +201,37 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process
 
 # ------------------------------------------------------------------ sparse tensors
 class _SparseHandle:
-    """What :func:`sparse_allreduce_async` returns: call it (or pass it to :func:`synchronize`) for the result."""
+    """What :func:`sparse_allreduce_async` returns: call it (or pass it to :func:`synchronize`) for the result.
+    Its two allgathers (indices, values) run as one ``_async`` operation (``handle``: queued, or paired by name)."""
 
-    def __init__(self, tensor: torch.Tensor, start: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                 divisor: int | None) -> None:
-        self._tensor, self._divisor = tensor, divisor
+    def __init__(self, tensor: torch.Tensor, handle: Handle) -> None:
+        self._tensor, self._handle = tensor, handle
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
-        try:  # both allgathers now, in order (as elastic_ring's allgathers complete at the call); an error (a
-            # mismatch with a peer) stops before the second, so that it cannot pair with the peer's next call
-            self._parts: tuple[torch.Tensor, torch.Tensor] | None = start()
-        except Exception as exc:  # noqa: BLE001 - delivered by the call, as Horovod's handles do
-            self._parts, self._error = None, exc
 
     def done(self) -> bool:
-        return True
+        return self._handle.done()
 
     def __call__(self) -> torch.Tensor:
-        release_name(self)  # delivered: its name is free again
+        release_name(self._handle)  # delivered: its name is free again
+        if self._result is None and self._error is None:
+            try:
+                indices, values, divisor = er.synchronize(self._handle)
+            except Exception as exc:  # noqa: BLE001 - raised now and by every later call, as Horovod's handle
+                self._error = exc
+            else:
+                self._result = _sparse_result(self._tensor, indices, values, divisor)
         if self._error is not None:
             raise self._error
-        if self._result is None:
-            indices, values = self._parts
-            if self._divisor is not None:
-                values = values / self._divisor
-            self._result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, self._tensor.size(),
-                                                   device=self._tensor.device, check_invariants=False)
         return self._result
+
+
+def _sparse_result(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                   divisor: int | None) -> torch.Tensor:
+    if divisor is not None:
+        values = values / divisor
+    return torch.sparse_coo_tensor(indices.transpose(0, 1), values, tensor.size(), device=tensor.device,
+                                   check_invariants=False)
 
 
 @_hvd_call
@@ -234,26 +239,26 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp 
                            process_set: Any = global_process_set) -> _SparseHandle:
     """Horovod's sparse allreduce: every rank's indices and values are allgathered, so the result holds every
     rank's entries (uncoalesced: entries at the same index add up), the values divided by the set's size for
-    ``op=Average``. Returns a handle: call it (as Horovod's) or pass it to :func:`synchronize`; its ``name`` is
-    held until then, as an ``_async`` call's (a second one raises ``ValueError`` at once)."""
-    return named_async("sparse_allreduce_async", name, process_set,
-                       lambda: _sparse_allreduce_async(tensor, name, op, process_set))
+    ``op=Average``. Returns a handle at once (the allgathers run in the background, queued or paired by name as
+    every ``_async`` call's): call it (as Horovod's) or pass it to :func:`synchronize`; its ``name`` is held until
+    then (a second one raises ``ValueError`` at once)."""
+    handle = launch_async("sparse_allreduce", "sparse_allreduce_async", name, process_set,
+                          lambda: _sparse_parts(tensor, name, op, process_set))
+    return _SparseHandle(tensor, handle)
 
 
-def _sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp | str,
-                            process_set: Any) -> _SparseHandle:
+def _sparse_parts(tensor: torch.Tensor, name: str | None, op: ReduceOp | str,
+                  process_set: Any) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """Every rank's indices and values of a sparse ``tensor``, and the divisor of an average (None: a sum)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async reduces a sparse COO tensor (tensor.is_sparse); use allreduce_async "
                          "for a dense one")
     reduce_op = _agreed("sparse_allreduce", [], process_set, lambda: _sparse_op(None, op))
-
-    def start() -> tuple[torch.Tensor, torch.Tensor]:
-        indices = allgather(tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
-                            process_set=process_set)
-        values = allgather(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
-        return indices, values
-
-    return _SparseHandle(tensor, start, _members(process_set) if reduce_op is ReduceOp.AVERAGE else None)
+    # in order; a mismatch with a peer stops before the second, so that it cannot pair with the peer's next call
+    indices = allgather(tensor._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+                        process_set=process_set)
+    values = allgather(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    return indices, values, _members(process_set) if reduce_op is ReduceOp.AVERAGE else None
 
 
 # ------------------------------------------------------------------ objects, barrier, join

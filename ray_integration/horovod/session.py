@@ -1,15 +1,19 @@
-"""``hvd.init`` and ``hvd.shutdown``: join the launcher's ring and register the script's process sets; the names
-of the session's ``_async`` operations in flight (Horovod's duplicate-name error)."""
+"""``hvd.init`` and ``hvd.shutdown``: join the launcher's ring and register the script's process sets; the launch of
+the session's ``_async`` operations (queued in call order, or parked to be paired by name) and the names they hold
+(Horovod's duplicate-name error)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable
 
+from elastic_ring.collectives import negotiation
+from elastic_ring.collectives.handles import Handle
 from elastic_ring.core.errors import NotInitializedError
+from elastic_ring.ring import process_sets as _process_sets
 from elastic_ring.ring import runtime
 
 from .errors import _LAUNCH
-from .process_sets import ProcessSet, _GlobalProcessSet, _register, _Registry, remove_process_set
+from .process_sets import ProcessSet, _GlobalProcessSet, _on, _register, _Registry, remove_process_set
 from .topology import _Session
 
 
@@ -28,6 +32,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise NotInitializedError("hvd.init() found no ring to join: " + _LAUNCH) from None
     _Session.shut = False
     _Session.in_flight = {}  # a new session: no operation of an older one holds a name
+    negotiation.cancel_all("hvd.init() started a new session: a named _async operation of the previous one was "
+                           "never paired (synchronize named operations before hvd.init())")
     for registered in list(_Registry.sets.values()):  # as Horovod's init: the sets given now, nothing older
         remove_process_set(registered)
     _Registry.next_id = 1  # a fresh table: ids count from 1 again, as after Horovod's init
@@ -43,35 +49,42 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def shutdown() -> None:
     """As Horovod's, for this script: ``is_initialized()`` is False and ``rank()`` raises until ``init()``.
-    The ring belongs to the launcher and stays (Horovod scripts call this at exit)."""
+    The ring belongs to the launcher and stays (Horovod scripts call this at exit). As Horovod's, the named
+    ``_async`` operations not paired yet fail (their ``synchronize`` raises ``ValueError``)."""
     _Session.shut = True
+    negotiation.cancel_all("hvd.shutdown() was called while this named _async operation waited to be paired")
 
 
-H = TypeVar("H")
+def launch_async(prefix: str, call: str, name: Any, process_set: Any, start: Callable[[], Any]) -> Handle:
+    """Launch an ``_async`` operation whose collective ``start()`` runs: unnamed, on its communicator's ordered
+    queue, in call order (:mod:`elastic_ring.collectives.ordered`); named, parked until every rank submitted
+    ``"{prefix}.{name}"`` and this rank synchronizes it, paired by name as Horovod's coordinator pairs them
+    (:mod:`elastic_ring.collectives.negotiation`). ``prefix`` is Horovod's op prefix (``allreduce``,
+    ``allgather``, ...): the same name under two prefixes does not collide, as in Horovod.
 
-
-def named_async(call: str, name: Any, process_set: Any, launch: Callable[[], H]) -> H:
-    """Launch an ``_async`` operation (``launch()`` gives its handle), refusing a ``name`` that an operation of
-    this process started on the same process set, in this ring's round, and not synchronized yet still holds: as
-    Horovod, a ``ValueError`` naming the name and the fix, raised here at once, before anything is sent (so all
+    As Horovod, a ``name`` that an operation of this process (same prefix and process set, this ring's round)
+    still holds raises a ``ValueError`` naming the name and the fix, at once, before anything is sent (so all
     ranks raise alike when they all make the same mistake, and the ring stays usable). The name is held until
     :func:`release_name` (``hvd.synchronize`` of its handle), not until the operation completes: completion is
     timing, which could differ between ranks; the call order is the same on all. ``name=None`` holds nothing; a
-    re-formed ring (its in-flight operations failed) or ``hvd.init()`` frees every name."""
-    if not isinstance(name, str):
-        return launch()
+    re-formed ring (its operations failed) or ``hvd.init()`` frees every name."""
+    named = isinstance(name, str)
     set_id = getattr(process_set, "process_set_id", None)
-    key = (0 if set_id is None else set_id, name)
+    key = (0 if set_id is None else set_id, prefix, name)
     round_id = runtime.current().spec.round_id
-    held = _Session.in_flight.get(key)
+    held = _Session.in_flight.get(key) if named else None
     if held is not None and held[0] == round_id:
         where = "" if key[0] == 0 else f" on process set {key[0]}"
         raise ValueError(
-            f"hvd.{call}: name={name!r} is already the name of an _async operation of this process{where} that "
+            f"hvd.{call}: name={name!r} is already the name of an _async {prefix} of this process{where} that "
             "is not synchronized yet, and Horovod refuses two in flight with the same name; call "
             "hvd.synchronize(handle) on the first one before reusing its name, or give this one another name "
             "(or name=None). Nothing was sent: the ring stays usable")
-    handle = launch()
+    with _on(process_set):  # the ring's communicator, or the set's sub-ring (formed on its first use)
+        comm = _process_sets.current()
+    if not named:
+        return Handle.queued(comm, start)
+    handle = negotiation.park(comm, f"{prefix}.{name}", start)
     _Session.in_flight[key] = (round_id, id(handle))
     return handle
 

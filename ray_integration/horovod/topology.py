@@ -8,6 +8,7 @@ import elastic_ring as er
 from elastic_ring.core.errors import NotInitializedError
 from elastic_ring.ring import runtime
 
+from ..wire.launch_env import cross_of
 from .errors import _LAUNCH
 
 
@@ -17,8 +18,9 @@ class _Session:
     the names of its ``_async`` operations not synchronized yet (:mod:`.session` keeps them)."""
 
     shut = False
-    #: (process set id, name) -> (the ring round it was started in, its handle's id); see session.claim_name
-    in_flight: dict[tuple[int, str], tuple[int, int]] = {}
+    #: (process set id, Horovod's op prefix, name) -> (the ring round it was started in, its handle's id); see
+    #: session.launch_async
+    in_flight: dict[tuple[int, str, str], tuple[int, int]] = {}
 
 
 def is_initialized() -> bool:
@@ -53,13 +55,7 @@ def local_size() -> int:
 def _cross() -> tuple[int, int]:
     """This rank's index among the ranks with its local rank (one per node), and how many there are."""
     spec = _spec()
-    seen: dict[str, int] = {}
-    local = []
-    for node in spec.node_ids:
-        local.append(seen.get(node, 0))
-        seen[node] = seen.get(node, 0) + 1
-    peers = [r for r, lr in enumerate(local) if lr == local[spec.rank]]
-    return peers.index(spec.rank), len(peers)
+    return cross_of(spec.node_ids, spec.rank)
 
 
 def cross_rank() -> int:

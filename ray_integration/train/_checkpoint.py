@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Any
 
 from elastic_ring.core.log import get_logger
 from state import CheckpointError, CheckpointRefused
 from state.checkpoints.config import default_checkpointing as default_config
+from state.checkpoints.hooks import listener as checkpoint_listener
 from state.checkpoints.policy import parse_checkpoint_dir
 from state.checkpoints.reported import FILES, SUBDIR, ReportedCheckpoints, manifest_digest, verify_local
-from state.checkpoints.store import CheckpointStore
+from state.checkpoints.sequenced import MANIFEST
+from state.checkpoints.store import READABLE as STATE_FORMATS, CheckpointStore
 from state.checkpoints.transport import Location
+
+from ..errors import InputUnavailable
 
 _log = get_logger(__name__)
 
@@ -92,12 +98,59 @@ def get_checkpoint() -> Any:
     """The checkpoint to resume from: the newest verified reported checkpoint at this run's location (written by
     this run or an earlier one there), as a ``ray.train.Checkpoint`` of a local directory; None if there is none
     (or the run has no location). Uploads still in flight are not visible yet. The directory is this process's
-    copy: handed out again while its files match the checkpoint's manifest, downloaded again otherwise."""
+    copy: handed out again while its files match the checkpoint's manifest, downloaded again otherwise.
+
+    A location that cannot be read now (a listing or a download failing, the newest checkpoint pruned while it was
+    read, every one damaged) is read again with backoff for :data:`GET_CHECKPOINT_RETRY_S`, each failure a
+    ``checkpoint_read_failed`` event; then this worker leaves the job as a lost worker (``InputUnavailable``, named
+    in its ``worker_lost`` event) and is replaced: a fault of the location never ends a healthy job (the ring's
+    live state reaches a replacement by the sync anyway). Another job's checkpoint is refused at once."""
     config = default_config()
     if config is None:
         return None
-    found = _fetch_reported(config.uri, config.signing_key, cache=True)
+    found = _read_with_retries(config.uri, lambda: _fetch_reported(config.uri, config.signing_key, cache=True))
     return None if found is None else ray_checkpoint_class().from_directory(found[1])
+
+
+#: How long ``get_checkpoint()`` reads the run's location again after failures before the worker gives up.
+GET_CHECKPOINT_RETRY_S = 30.0
+#: The first wait between those reads (doubling, at most 4 s).
+GET_CHECKPOINT_FIRST_WAIT_S = 0.5
+
+
+def _read_with_retries(uri: str, read: Any) -> Any:
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return read()
+        except CheckpointRefused:
+            raise  # another job's checkpoint, or one signed with another key: reading again changes nothing
+        except (OSError, CheckpointError) as exc:
+            waited = time.monotonic() - started
+            wait = min(4.0, GET_CHECKPOINT_FIRST_WAIT_S * 2 ** (attempt - 1))
+            _notify({"kind": "checkpoint_read_failed", "uri": uri, "attempt": attempt,
+                     "error": f"{type(exc).__name__}: {exc}"[:500]})
+            if waited + wait > GET_CHECKPOINT_RETRY_S:
+                raise InputUnavailable(
+                    f"get_checkpoint() could not read the reported checkpoints at {uri} in {attempt} tries over "
+                    f"{waited:.0f} s (the last: {type(exc).__name__}: {exc}); this worker leaves the job as a lost "
+                    "worker and is replaced (the ring's live state reaches its replacement by the sync); check the "
+                    "storage behind the run's location") from exc
+            _log.warning("get_checkpoint(): reading %s failed (%s: %s); trying again in %.1f s", uri,
+                         type(exc).__name__, exc, wait)
+            time.sleep(wait)
+
+
+def _notify(event: dict) -> None:
+    """An event in the run's result (the worker runtime forwards checkpoint events to the driver)."""
+    listener = checkpoint_listener()
+    if listener is not None:
+        try:
+            listener(event)
+        except Exception as exc:  # the event is a courtesy: the read's own outcome decides
+            _log.warning("could not send %s: %s", event.get("kind"), exc)
 
 
 
@@ -153,7 +206,8 @@ def load_checkpoint(source: Any, *, trusted: bool = False, signing_key: bytes | 
     parts = url.rsplit("/", 3)
     if len(parts) == 4 and parts[-1] == FILES and parts[-3] == SUBDIR and parse_checkpoint_dir(parts[-2]) is not None:
         return _reported(parts[0], parse_checkpoint_dir(parts[-2]), signing_key)
-    if len(parts) >= 3 and parts[-2] == SUBDIR and parse_checkpoint_dir(parts[-1]) is not None:
+    if len(parts) >= 3 and parts[-2] == SUBDIR and parse_checkpoint_dir(parts[-1]) is not None \
+            and not _is_state_checkpoint(url):  # (a state checkpoint of a location whose last part is "reported")
         return _reported(url.rsplit("/", 2)[0], parse_checkpoint_dir(parts[-1]), signing_key)
     seq = parse_checkpoint_dir(parts[-1])
     location = url.rsplit("/", 1)[0] if seq is not None else url
@@ -182,6 +236,16 @@ def load_checkpoint(source: Any, *, trusted: bool = False, signing_key: bytes | 
         raise damaged
     raise CheckpointError(f"there is no complete checkpoint at {location} (no ckpt-* directory with a manifest, no "
                           f"reported checkpoint under {SUBDIR}/); was it this run's checkpoint_uri?")
+
+
+def _is_state_checkpoint(url: str) -> bool:
+    """The checkpoint directory ``url`` holds a state checkpoint (its manifest says so), not a reported one."""
+    loc = Location(url)
+    try:
+        manifest = json.loads(loc.read_bytes(loc.path(MANIFEST), 1 << 20))
+    except (OSError, ValueError):
+        return False  # no readable manifest: read it as the reported checkpoint its path names (which says why not)
+    return isinstance(manifest, dict) and manifest.get("format") in STATE_FORMATS
 
 
 def _reported(location: str, seq: int, signing_key: bytes | None) -> str:

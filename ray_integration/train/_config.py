@@ -88,11 +88,13 @@ def _scaling(sc: Any, out: dict) -> None:
 
 
 def _run(rc: Any, out: dict) -> None:
+    _location(rc, out)
+    _run_options(rc, out)
+
+
+def _location(rc: Any, out: dict) -> None:
     storage, name = rc.storage_path, rc.name
-    if getattr(rc, "storage_filesystem", None) is not None:
-        raise ValueError("ElasticTrainer run_config.storage_filesystem is not supported: checkpoints go through "
-                         "fsspec; give the location as a URL in storage_path (e.g. 's3://bucket/path') and drop "
-                         "storage_filesystem")
+    _no_filesystem(rc)
     generated = name is None or bool(_GENERATED_NAME.match(str(name)))
     if storage is not None and not generated and _is_default_storage(storage):
         warnings.warn(f"ElasticTrainer run_config=RunConfig(name={name!r}) without storage_path: checkpoints go to "
@@ -110,6 +112,16 @@ def _run(rc: Any, out: dict) -> None:
         raise ValueError(f"ElasticTrainer run_config=RunConfig(storage_path={storage!r}) needs a name too "
                          f"(got {name!r}{', which Ray generated' if name else ''}): checkpoints go to storage_path/name "
                          "and a rerun resumes from them only under the same name; set RunConfig(name='my-job')")
+
+
+def _no_filesystem(rc: Any) -> None:
+    if getattr(rc, "storage_filesystem", None) is not None:
+        raise ValueError("ElasticTrainer run_config.storage_filesystem is not supported: checkpoints go through "
+                         "fsspec; give the location as a URL in storage_path (e.g. 's3://bucket/path') and drop "
+                         "storage_filesystem")
+
+
+def _run_options(rc: Any, out: dict) -> None:
     if rc.failure_config is not None:
         _failure(rc.failure_config, out)
     checkpoint = rc.checkpoint_config
@@ -181,6 +193,47 @@ def _is_default_storage(storage: str) -> bool:
     except ImportError:  # an older Ray without it
         return False
     return os.path.abspath(os.path.expanduser(str(storage))) == os.path.abspath(os.path.expanduser(DEFAULT_STORAGE_PATH))
+
+
+#: FailureConfig(max_failures=K) counts over the whole run in Ray Train: the drop-in's window (a century).
+WHOLE_RUN_S = 100 * 365 * 86400.0
+
+
+def translate_dropin(scaling_config: Any = None, run_config: Any = None) -> tuple[dict[str, Any], int]:
+    """The ``ElasticTrainer`` options of the drop-in ``TorchTrainer`` (``ray_integration.train.torch``), and Ray's
+    ``FailureConfig(max_failures)``. Where Ray Train's own semantics differ from :func:`translate`'s:
+
+    * ``ScalingConfig(num_workers=N)``: the first ring waits for N workers; after a loss the survivors go on at once
+      (no restart, no wait: ``min_workers=1``) and a replacement joins at the next report with a checkpoint.
+      ``num_workers=(lo, hi)`` as in :func:`translate`. Ray's default ``ScalingConfig()`` is one worker.
+    * ``RunConfig``: the location is always ``storage_path/name``, as Ray Train's run directory, Ray's defaults
+      included (``~/ray_results``, the generated ``ray_train_run-<date>``, a new one per run, as in Ray Train).
+    * ``FailureConfig(max_failures=K)``, K other than Ray's default 0: K failures over the whole run (lost workers
+      and exceptions of the training function alike, one per failed ring), -1 without limit. With 0 (Ray's default,
+      which cannot be told from no FailureConfig), an exception of the function ends the run as in Ray Train, and a
+      lost worker is recovered within ElasticTrainer's default budget (docs/ray_train.md)."""
+    from ray.train import RunConfig, ScalingConfig
+
+    _check_type(scaling_config, "ScalingConfig", "scaling_config")
+    _check_type(run_config, "RunConfig", "run_config")
+    scaling_config = ScalingConfig() if scaling_config is None else scaling_config
+    run_config = RunConfig() if run_config is None else run_config
+    out: dict[str, tuple[Any, str]] = {}
+    _scaling(scaling_config, out)
+    n = scaling_config.num_workers
+    if not isinstance(n, tuple) and n > 1:
+        out["min_workers"], out["start_workers"] = (1, f"scaling_config.num_workers={n!r}"), out["max_workers"]
+    _no_filesystem(run_config)
+    storage = os.fspath(run_config.storage_path)
+    if "://" not in storage:  # a local path: absolute on the driver, as Ray Train resolves it
+        storage = os.path.abspath(os.path.expanduser(storage))
+    out["checkpoint_uri"] = (f"{storage.rstrip('/')}/{run_config.name}", "run_config (storage_path/name)")
+    _run_options(run_config, out)
+    failure = run_config.failure_config
+    k = failure.max_failures if failure is not None else _RAY_DEFAULT_MAX_FAILURES
+    if k != _RAY_DEFAULT_MAX_FAILURES:
+        out["failure_window_s"] = (WHOLE_RUN_S, f"run_config.failure_config.max_failures={k!r} (the whole run)")
+    return {key: value for key, (value, _) in out.items()}, k
 
 
 def merge(options: dict[str, Any], translated: dict[str, tuple[Any, str]]) -> dict[str, Any]:

@@ -36,12 +36,31 @@ class TrainContext:
         config = default_config()
         return None if config is None else posixpath.basename(config.uri.rstrip("/"))
 
-    get_trial_name = get_experiment_name
+    # Ray Train V2 raises DeprecationWarning for V1's Tune-era names
+    def get_metadata(self) -> None:
+        _deprecated("get_metadata")
+
+    def get_trial_name(self) -> None:
+        _deprecated("get_trial_name", "get_experiment_name()")
+
+    def get_trial_id(self) -> None:
+        _deprecated("get_trial_id")
+
+    def get_trial_resources(self) -> None:
+        _deprecated("get_trial_resources")
+
+    def get_trial_dir(self) -> None:
+        _deprecated("get_trial_dir", "get_storage_path()")
 
     def get_storage_path(self) -> str | None:
         """The run's location (``storage_path/name``), or None."""
         config = default_config()
         return None if config is None else config.uri
+
+
+def _deprecated(name: str, instead: str | None = None) -> None:
+    hint = f"; use get_context().{instead}" if instead else ""
+    raise DeprecationWarning(f"TrainContext.{name}() is deprecated in Ray Train V2 and is not available{hint}")
 
 
 _context = TrainContext()

@@ -11,6 +11,7 @@ checkpoints are not uploaded (a warning, once).
 from __future__ import annotations
 
 import numbers
+import shutil
 import time
 import warnings
 from typing import Any
@@ -23,6 +24,7 @@ from elastic_ring.ring import runtime as ring_runtime
 from state.checkpoints.config import default_checkpointing as default_config
 from state.checkpoints.uploads import uploads_for
 
+from . import _dropin
 from ._checkpoint import ray_checkpoint_class
 
 _log = get_logger(__name__)
@@ -36,8 +38,10 @@ MAX_METRIC_DEPTH = 32
 _warned_rank: list[bool] = [False]
 
 
-def report(metrics: dict, checkpoint: Any = None, *, checkpoint_upload_mode: Any = None) -> None:
-    """Report this step's ``metrics`` and, optionally, a checkpoint, as Ray Train's ``report``.
+def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: str | None = None,
+           checkpoint_upload_mode: Any = None, delete_local_checkpoint_after_upload: bool | None = None,
+           checkpoint_upload_fn: Any = None, validation: Any = False) -> None:
+    """Report this step's ``metrics`` and, optionally, a checkpoint, as Ray Train's ``report`` (its signature).
 
     ``metrics``: a dict of str -> JSON-able value (numbers, strings, bools, None, lists and dicts of them); all
     reach ``Result.metrics`` / ``metrics_history``. ``checkpoint``: a ``ray.train.Checkpoint`` of a local directory
@@ -45,16 +49,26 @@ def report(metrics: dict, checkpoint: Any = None, *, checkpoint_upload_mode: Any
     or reused as soon as this returns); needs the run's location (``RunConfig(storage_path=..., name=...)`` or
     ``checkpoint_uri``). ``checkpoint_upload_mode``: None or ``ray.train.CheckpointUploadMode.ASYNC`` (the
     background upload), or ``SYNC``: rank 0 returns once the upload is durable (the other ranks do not wait for
-    it: their next collective does, up to its timeout). Raises :class:`state.CheckpointError` after repeated
-    failed uploads, or when a ``SYNC`` upload fails."""
+    it: their next collective does, up to its timeout). ``checkpoint_dir_name`` is accepted and not used (reported
+    checkpoints are numbered ``ckpt-<n>``); ``delete_local_checkpoint_after_upload`` (Ray's default: with ``ASYNC``)
+    deletes ``d`` once it is copied. Raises :class:`state.CheckpointError` after repeated failed uploads, or when a
+    ``SYNC`` upload fails.
+
+    Under ``ray_integration.train.torch.TorchTrainer`` (the drop-in) every rank keeps its own copy of its checkpoint
+    and the report is a small collective of every rank, as Ray's is a barrier: call it the same number of times on
+    every rank; a joiner enters at the next report that carries a checkpoint (:mod:`._dropin`)."""
     metrics = _checked_metrics(metrics)
     sync = _sync_mode(checkpoint_upload_mode)
-    if checkpoint is not None:
-        directory = _local_directory(checkpoint)
-        config = default_config()
-        if config is None:
-            raise ValueError("report(metrics, checkpoint=...) needs a location for checkpoints: give the trainer "
-                             "run_config=RunConfig(storage_path=..., name=...) or checkpoint_uri=...")
+    delete = _refuse_or_delete(checkpoint, checkpoint_dir_name, checkpoint_upload_mode,
+                               delete_local_checkpoint_after_upload, checkpoint_upload_fn, validation)
+    directory = _local_directory(checkpoint) if checkpoint is not None else None
+    config = default_config()
+    if directory is not None and config is None:
+        raise ValueError("report(metrics, checkpoint=...) needs a location for checkpoints: give the trainer "
+                         "run_config=RunConfig(storage_path=..., name=...) or checkpoint_uri=...")
+    session = _dropin.current()
+    agreed = session.report(directory) if session is not None else None
+    if directory is not None:
         rank = _rank()
         if rank == 0:
             uploads = uploads_for(config.uri, config.keep_last, run_id=config.run_id, signing_key=config.signing_key,
@@ -63,12 +77,33 @@ def report(metrics: dict, checkpoint: Any = None, *, checkpoint_upload_mode: Any
             uploads.submit(directory, metrics)
             if sync:
                 uploads.flush(SYNC_UPLOAD_TIMEOUT_S)
-        elif not _warned_rank[0]:
+        elif session is None and not _warned_rank[0]:
             _warned_rank[0] = True
             warnings.warn(f"report(checkpoint=...) on rank {rank}: only rank 0's checkpoint is kept (Ray Train "
                           "merges every rank's directory); write what every rank needs from rank 0",
                           UserWarning, stacklevel=2)
+        if delete:
+            shutil.rmtree(directory, ignore_errors=True)
     _send(metrics)
+    if agreed is not None:
+        session.act_on_notices(*agreed)
+
+
+def _refuse_or_delete(checkpoint: Any, dir_name: Any, mode: Any, delete: Any, upload_fn: Any, validation: Any) -> bool:
+    """Check Ray's other report arguments; whether to delete the checkpoint's directory once it is copied."""
+    if dir_name is not None and not isinstance(dir_name, str):
+        raise TypeError(f"report(checkpoint_dir_name={dir_name!r}) must be a str or None")
+    if upload_fn is not None:
+        raise ValueError("report(checkpoint_upload_fn=...) is not supported: rank 0 uploads the checkpoint into the "
+                         "run's location itself (verified, in the background); drop checkpoint_upload_fn")
+    if validation is not False:
+        raise ValueError(f"report(validation={validation!r}) is not supported (Ray Train's ValidationConfig has no "
+                         "equivalent here): validate in the training function and report the result as a metric")
+    if delete is not None and not isinstance(delete, bool):
+        raise TypeError(f"report(delete_local_checkpoint_after_upload={delete!r}) must be True, False or None")
+    if delete is None:  # Ray's default: delete after an ASYNC upload
+        delete = getattr(mode, "name", mode) == "ASYNC"
+    return bool(delete and checkpoint is not None)
 
 
 def _sync_mode(mode: Any) -> bool:

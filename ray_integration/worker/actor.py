@@ -16,12 +16,14 @@ import functools
 import os
 import socket
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
 import elastic_ring as er
 import state as state_pkg
 from state import membership
+from elastic_ring.collectives import preemption
 from elastic_ring.core import allocator, progress, timeline
 from elastic_ring.ring import runtime
 from elastic_ring.ring.report import set_reporter
@@ -35,9 +37,11 @@ from elastic_ring.core.log import get_logger
 from .. import data as data_input
 from ..errors import WorkerError, WorkerGaveUp
 from ..wire.channel import Channel
+from ..wire.launch_env import horovod_environment
 from ..wire.protocol import Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
+from .preemption_info import preemption_info
 from .rendezvous import WorkerRendezvous
 
 
@@ -72,8 +76,8 @@ def fate(exc: BaseException) -> Fate:
         return Fate.LEAVE
     if isinstance(exc, WorkerError):
         return Fate.RAISE
-    if isinstance(exc, er.RendezvousError) and not _authentication_failure(exc):
-        return Fate.GIVE_UP
+    if isinstance(exc, er.RendezvousError) and not _authentication_failure(exc) or isinstance(exc, WorkerGaveUp):
+        return Fate.GIVE_UP  # (WorkerGaveUp: an input it could not read, InputUnavailable)
     return Fate.ERROR
 
 
@@ -169,9 +173,13 @@ class RingWorker:
     def _install(self, settings: WorkerSettings) -> None:
         self._rendezvous = WorkerRendezvous(self._send, self._receive, self._keys, self.worker_id, self._secret,
                                             settings.driver_silence_s)
+        # Horovod's launch variables, once, from the first ring this worker joins (as horovodrun's spawn-time
+        # values: never rewritten on a re-form), before hvd.init() / the first er call that forms it returns
+        self._rendezvous.on_first_ring = lambda spec: os.environ.update(horovod_environment(spec))
         er.elastic.set_rendezvous(self._rendezvous)
         set_reporter(self._report)
         membership.reset()
+        preemption.install(preemption_info)  # get_preemption_info() answers Ray Train's PreemptionInfo
         set_default_checkpointing(settings.checkpoint)
         set_resume_listener(lambda info: self._send.send(self._keys.driver_inbox, WorkerKind.RESUMED, info=info))
         set_checkpoint_listener(lambda event: self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
@@ -235,9 +243,16 @@ class RingWorker:
             self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
                             event={"kind": "checkpoint_failed", "final": True, "error": str(exc)})
 
-    def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False) -> None:
-        """A notice from the driver about round ``round_id`` (re-form / persist / stop at its next commit)."""
-        membership.post(membership.Notice(round_id, change, persist, stop))
+    def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False,
+               persist_id: int = 0, within_s: float | None = None) -> None:
+        """A notice from the driver about round ``round_id`` (re-form / persist / stop at its next commit;
+        ``persist_id``: the number of the write it asks for, retried for ``within_s`` seconds from now)."""
+        by = None if within_s is None else time.monotonic() + max(0.0, within_s)
+        membership.post(membership.Notice(round_id, change, persist, stop, persist_id, by))
+
+    def preemption_notice(self, notice: dict) -> None:
+        """The driver's preemption notice for the ring (``get_preemption_info()`` agrees on the newest one)."""
+        preemption.post(notice)
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

@@ -13,6 +13,7 @@ for a driver that is gone.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import elastic_ring as er
 from state import membership
@@ -35,6 +36,8 @@ class WorkerRendezvous:
         self.cuda_device: int | None = None  # this worker's GPU (NCCL rings), put into every spec
         self._synced_rounds: set[int] = set()
         self._handover_round: int | None = None  # a round whose members re-form right after its sync
+        #: called with the first ring spec the driver hands this worker (before that ring forms), once
+        self.on_first_ring: Callable[[er.RingSpec], None] | None = None
 
     def next_ring(self, reason: str) -> er.RingSpec:
         self.generation += 1
@@ -76,8 +79,16 @@ class WorkerRendezvous:
                 raise er.RendezvousError(f"worker {self._id}: the driver's ring answer is invalid: {exc}") from exc
             if msg.get("stop"):
                 membership.post(membership.Notice(spec.round_id, stop=True, persist=True))
+            if isinstance(msg.get("persist"), int) and msg["persist"] > 0:  # a round that writes the state, re-forms
+                within = msg.get("within_s")
+                by = time.monotonic() + float(within) if isinstance(within, (int, float)) else None
+                membership.post(membership.Notice(spec.round_id, change=True, persist=True, persist_id=msg["persist"],
+                                                  persist_by=by))
             if msg.get("handover"):
                 self._handover_round = spec.round_id
+            first, self.on_first_ring = self.on_first_ring, None
+            if first is not None:
+                first(spec)
             return spec
 
     @property
@@ -97,5 +108,7 @@ class WorkerRendezvous:
         return self._handover_round is not None and self._handover_round == er.round_id()
 
     def stop_pending(self) -> bool:
-        """The job stops in this round (the driver said so with the ring)."""
-        return membership.pending().stop
+        """This round commits right after its sync: the job stops in it, or it only writes the state durably
+        (a drain's final write) and re-forms (the driver said so with the ring)."""
+        notice = membership.pending()
+        return notice.stop or notice.persist and notice.change

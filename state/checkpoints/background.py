@@ -11,8 +11,17 @@ written, and slow storage makes the writer skip requests, never queue them (coun
 * A prepared request (:meth:`BackgroundWriter.submit_job`: a reported checkpoint's snapshot) may start in any
   thread, the writer's own too, as soon as the write before it ends; a replaced one is discarded.
 
+* A request of the state that must not wait for that thread (:meth:`BackgroundWriter.submit_copy`: the commit a
+  driver asked to be written durably, e.g. at a preemption notice, while the thread goes to re-form the ring) is a
+  private copy of the tree, prepared at once: it starts as soon as the writer is idle, in any thread.
+
+A request may carry *tags* (``{"persist": n}``: the driver's number for the write it asked for) that its events
+repeat; a request that replaces a waiting one inherits the replaced one's tags (a newer state written instead of
+the one asked for still answers that request) and its retry deadline.
+
 A write that fails with a transient storage error (:func:`~state.checkpoints.faults.is_transient`) is retried
-with backoff for ``retry_budget_s`` after its first error; slowness alone is never a failure. Every write ends in
+with backoff for ``retry_budget_s`` after its first error, or until the request's own deadline (``retry_until``:
+a drain's deadline); slowness alone is never a failure. Every write ends in
 an event for the listener of :func:`~state.checkpoints.hooks.set_checkpoint_listener`; ``flush()`` (always with a
 deadline) writes a transiently failed last write again until then; :meth:`BackgroundWriter.check` raises after
 ``max_consecutive_failures`` failed writes in a row. See docs/checkpoints.md ("The writer").
@@ -22,13 +31,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
 
 from elastic_ring.core.log import get_logger
 
 from ..errors import CheckpointError
-from ..snapshot import SnapshotBuffer
+from ..snapshot import SnapshotBuffer, copy_tree
 from . import hooks
 from .config import DEFAULT_MAX_CONSECUTIVE_FAILURES
 from .faults import (
@@ -36,58 +47,13 @@ from .faults import (
     is_transient,
 )
 from .hooks import DEFAULT_FLUSH_TIMEOUT_S
+from .requests import REPORTED, STATE, Job, Policy, Source, _Request, inherit  # noqa: F401  (REPORTED: for uploads.py)
 from .sequenced import CheckpointPruneError
 
 _log = get_logger(__name__)
 
 #: A write in flight this long is logged as slow by ``check()`` (once per write; it is not a failure).
 SLOW_WRITE_WARN_S = 120.0
-
-Source = Callable[[], "tuple[Any, dict]"]
-
-@dataclass(frozen=True)
-class Policy:
-    """Where the background writes of the two kinds differ (each as it always was)."""
-
-    noun: str                   # one write, in messages and logs
-    nouns: str
-    written_kind: str           # the event of a write that landed
-    last_failed: str            # how flush() names a failed last write ({uri}: the location)
-    thread_name: str
-    newer_ends_retries: bool    # a newer request waiting ends the retries of a failing write (else it waits)
-    newest_of_process: bool     # flush_checkpoints() may return this writer's newest URI
-    flush_all_at_exit: bool     # the exit flushes it even when idle (a failed last write is retried), or only busy
-    failed_fields: dict = field(default_factory=dict)  # fields every checkpoint_failed event carries
-
-
-STATE = Policy("checkpoint write", "checkpoint writes", "checkpoint_written", "the last checkpoint write failed",
-               "elastic-ring-checkpoint-writer", newer_ends_retries=False, newest_of_process=True,
-               flush_all_at_exit=False)
-#: A failed upload's event names no number (the number it claimed was discarded), as it always did.
-REPORTED = Policy("reported checkpoint upload", "reported checkpoint uploads", "reported_checkpoint_written",
-                  "the last reported checkpoint upload to {uri} failed", "elastic-ring-reported-upload",
-                  newer_ends_retries=True, newest_of_process=False, flush_all_at_exit=True,
-                  failed_fields={"reported": True, "seq": None})
-
-
-@dataclass
-class Job:
-    """One write: ``write()`` (in the writer thread) returns (URI written, seq, the pruning's error or None)."""
-
-    write: Callable[[], "tuple[str, int | None, str | None]"]
-    nbytes: int
-    fields: dict = field(default_factory=dict)            # the job's own event fields (the state's ``commits``)
-    discard: Callable[[], None] = lambda: None             # frees what it holds: written, failed for good, replaced
-    superseded: int = 0                                    # requests it replaced, skipped for it
-
-
-@dataclass
-class _Request:
-    owner: threading.Thread | None    # the thread that must start it (None: any thread)
-    source: Source | None = None      # the state's: read and copied when it starts
-    job: Job | None = None            # prepared
-    superseded: int = 0
-
 
 class BackgroundWriter:
     """Writes ``store``'s checkpoints in a thread. ``retry_budget_s``: how long a write failing with
@@ -125,12 +91,25 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._busy
 
-    def submit(self, source: Source) -> None:
+    def submit(self, source: Source, *, tags: dict | None = None, retry_until: float | None = None) -> None:
         """Ask for a write of ``source()``, a (tree, meta) pair of live state; starts at once if idle (in this
-        thread), else replaces the waiting request."""
+        thread), else replaces the waiting request. ``tags`` / ``retry_until``: see the module docstring."""
         if not callable(source):
             raise TypeError(f"submit expects a function returning (tree, meta), got {type(source).__name__}")
-        self._enqueue(_Request(threading.current_thread(), source=source))
+        self._enqueue(_Request(threading.current_thread(), source=source, tags=dict(tags or {}),
+                               retry_until=retry_until))
+        self.poll()
+
+    def submit_copy(self, tree: Any, meta: dict, *, tags: dict | None = None,
+                    retry_until: float | None = None) -> None:
+        """Ask for a write of a private copy of ``tree`` (taken now, in this thread) that any thread may start:
+        it never waits for this thread's next commit or flush (a driver's persist request at a step boundary,
+        after which the thread re-forms the ring). Starts at once if idle, else replaces the waiting request."""
+        if self._can_start_here():
+            self.submit(lambda: (tree, meta), tags=tags, retry_until=retry_until)  # idle: the usual buffer copy
+            return
+        self._enqueue(_Request(None, job=self._state_job(copy_tree(tree), dict(meta), nbytes=None),
+                               tags=dict(tags or {}), retry_until=retry_until))
         self.poll()
 
     def submit_job(self, job: Job) -> None:
@@ -138,11 +117,16 @@ class BackgroundWriter:
         self._enqueue(_Request(None, job=job))
         self.poll()
 
+    def _can_start_here(self) -> bool:
+        with self._cond:
+            return not self._busy and (self._waiting is None or self._startable(self._waiting))
+
     def _enqueue(self, request: _Request) -> None:
         with self._cond:
             replaced, self._waiting = self._waiting, request
             if replaced is not None:  # slow storage: the older request is skipped, never queued
                 request.superseded = replaced.superseded + 1
+                inherit(request, replaced)
         if replaced is not None:
             _log.info("%s to %s is slower than the requests: a waiting one is skipped for the newer one",
                       self.policy.noun, self.store.uri)
@@ -161,19 +145,23 @@ class BackgroundWriter:
         try:
             job = request.job if request.job is not None else self._copy(request.source)
         except BaseException as exc:  # a bad source or an uncopyable value: an event, like a failed write
-            self._failed(exc, None, None, attempts=1, transient=False, retried_s=0.0)
+            self._failed(exc, None, None, attempts=1, transient=False, retried_s=0.0, fields=request.tags)
             self._finish()
             if not isinstance(exc, Exception):
                 raise
             return False
-        job.superseded = request.superseded
-        self._start(job, None)
+        self._start(request.as_job(job), None)
         return True
 
     def _copy(self, source: Source) -> Job:
         """The state's request as a job: its tree copied into this writer's host buffers (in this thread)."""
         tree, meta = source()
-        tree, meta = self._buffer.take(tree), dict(meta)
+        return self._state_job(self._buffer.take(tree), dict(meta), self._buffer.nbytes)
+
+    def _state_job(self, tree: Any, meta: dict, nbytes: int | None) -> Job:
+        """A job that saves ``tree`` with ``meta`` as a state checkpoint (``nbytes``: its size, None to count it)."""
+        if nbytes is None:
+            nbytes = sum(x.numel() * x.element_size() for x in _tensors(tree))
 
         def write() -> tuple[str, int | None, str | None]:
             try:
@@ -183,7 +171,10 @@ class BackgroundWriter:
                 uri, prune_error = exc.uri, str(exc)
             return uri, _seq_of(uri), prune_error
 
-        return Job(write, self._buffer.nbytes, {"commits": meta.get("commits")})
+        fields = {"commits": meta.get("commits")}
+        if meta.get("order") is not None:
+            fields["order"] = meta["order"]
+        return Job(write, nbytes, fields)
 
     def _startable(self, request: _Request) -> bool:
         owner = request.owner
@@ -291,8 +282,7 @@ class BackgroundWriter:
                         self._cond.notify_all()
                         return
                     self._waiting, retry, self._retry = None, self._retry, None
-                    job, deadline = request.job, None
-                    job.superseded = request.superseded
+                    job, deadline = request.as_job(request.job), None
                     self._in_flight = {"started": time.monotonic(), "attempts": 1, "error": None, "warned": False}
                 if retry is not None:
                     retry.discard()
@@ -302,6 +292,7 @@ class BackgroundWriter:
 
     def _write(self, job: Job, deadline: float | None) -> None:
         started, attempts, first_failure, seq, keep = time.monotonic(), 0, None, None, False
+        deadline = job.retry_until if deadline is None else deadline
         try:
             while True:
                 attempts += 1
@@ -352,7 +343,8 @@ class BackgroundWriter:
             self._cond.notify_all()
 
     def _failed(self, exc: BaseException, job: Job | None, seq: int | None, *, attempts: int, transient: bool,
-                retried_s: float, keep: bool = False, first_failure: float | None = None) -> None:
+                retried_s: float, keep: bool = False, first_failure: float | None = None,
+                fields: dict | None = None) -> None:
         with self._cond:
             self.consecutive_failures += 1
             self._last_ok, self._last_error = False, exc
@@ -366,7 +358,7 @@ class BackgroundWriter:
         _log.error("%s %d in a row to %s failed after %d attempt(s) over %.1f s: %s", self.policy.noun, failures,
                    self.store.uri, attempts, retried_s, message)
         self._emit({"kind": "checkpoint_failed", "uri": self.store.uri, "seq": seq,
-                    **(job.fields if job is not None else {}), "error": message, "attempts": attempts,
+                    **(job.fields if job is not None else fields or {}), "error": message, "attempts": attempts,
                     "transient": transient, "retried_s": round(retried_s, 3), "failing_s": round(failing_s, 3),
                     "consecutive_failures": failures, **self.policy.failed_fields})
 
@@ -383,6 +375,10 @@ class BackgroundWriter:
             _log.error("the checkpoint event listener raised %s: %s", type(exc).__name__, exc)
             with self._cond:
                 self._listener_error = exc
+
+
+def _tensors(tree: Any) -> list:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -41,7 +41,7 @@ from elastic_ring.core.log import get_logger
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointRefused
 from .config import check_checkpoint_uri, check_lease_generation, check_signing_key
 from .lease import read_holder
-from .policy import Entry, by_age, checkpoint_dir, next_sequence, parse_checkpoint_dir, plan_prune
+from .policy import Entry, StateOrder, by_age, checkpoint_dir, next_sequence, parse_checkpoint_dir, plan_prune
 from .transport import Location
 
 MANIFEST, CLAIM = "MANIFEST.json", "CLAIM.json"
@@ -66,6 +66,7 @@ class Kind:
     lease_fix: str                                # how a job gets a location of its own, in the fence's refusal
     json_default: Callable[[Any], Any] | None = None  # how the manifest's JSON writes a value JSON does not know
     manifest_limit: int = 1 << 20                 # the largest manifest (or claim) read back, in bytes
+    order_of: Callable[[dict], StateOrder | None] | None = None  # a manifest's state order (None: by number only)
 
 
 class Payload(Protocol):
@@ -80,6 +81,11 @@ class Payload(Protocol):
 
     def check(self, loc: Location, root: str) -> None:
         """After the read-back: raise a CheckpointError for what must never be published."""
+
+
+def _run(record: dict | None) -> str | None:
+    run_id = record.get("run_id") if record else None
+    return run_id if isinstance(run_id, str) else None
 
 
 class SequencedWriter:
@@ -113,23 +119,31 @@ class SequencedWriter:
         return sorted(s for s in map(parse_checkpoint_dir, self.loc.names()) if s is not None)
 
     def entries(self, runs: bool = False) -> list[Entry]:
-        """Every checkpoint directory; with ``runs``, with its run (from the manifest, or the claim while incomplete)."""
+        """Every checkpoint directory, with its state order when the kind has one (from the manifest); with
+        ``runs``, with its run (from the manifest, or the claim while incomplete)."""
         out = []
         for seq in self.sequences():
             complete = self.loc.exists(f"{self.dir(seq)}/{MANIFEST}")
-            out.append(Entry(seq, self._run_of(seq, MANIFEST if complete else CLAIM) if runs else None, complete))
+            if complete and (runs or self.kind.order_of is not None):
+                manifest = self._small_json(seq, MANIFEST)
+                order = self.kind.order_of(manifest) if self.kind.order_of is not None and manifest else None
+                out.append(Entry(seq, _run(manifest) if runs else None, True, order))
+            else:
+                out.append(Entry(seq, _run(self._small_json(seq, CLAIM)) if runs and not complete else None, complete))
         return out
 
     def complete(self) -> list[int]:
         """Sequence numbers of the complete checkpoints (manifest written), oldest first: the last is the newest."""
         return [e.seq for e in by_age(self.entries())]
 
-    def _run_of(self, seq: int, name: str) -> str | None:
+    def _small_json(self, seq: int, name: str) -> dict | None:
+        """Checkpoint ``seq``'s manifest or claim as a dict, or None when it is missing or unreadable (an old or
+        torn directory, one pruned meanwhile: it belongs to no run we know and has no order)."""
         try:
-            run_id = json.loads(self.loc.read_bytes(f"{self.dir(seq)}/{name}", self.kind.manifest_limit)).get("run_id")
-        except (OSError, ValueError, AttributeError):
-            return None  # no claim (an old or torn directory): it belongs to no run we know
-        return run_id if isinstance(run_id, str) else None
+            value = json.loads(self.loc.read_bytes(f"{self.dir(seq)}/{name}", self.kind.manifest_limit))
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
 
     # ------------------------------------------------------------ write
     def save(self, payload: Payload) -> int:

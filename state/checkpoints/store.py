@@ -8,7 +8,8 @@ Layout under the root URI (see ``docs/checkpoints.md``)::
     LEASE-000000000003.json           object stores: the lease's current generation (lease_object_store.py)
     ckpt-000000000007/CLAIM.json      run id of the writer; its conditional create claims number 7
     ckpt-000000000007/data.pt         the state tree, streamed by torch.save (hashed on the way)
-    ckpt-000000000007/MANIFEST.json   format, seq, run id, size and sha256 of data.pt, meta; written last
+    ckpt-000000000007/MANIFEST.json   format, seq, run id, size and sha256 of data.pt, meta (with the state's
+                                      order: lineage, round, version); written last
 
 Before the manifest is published, the data is read back and checked for objects a safe load would refuse (unless
 the store is ``trusted``). Loading verifies size and sha256 (streamed) before anything is unpickled, and unpickles
@@ -25,14 +26,22 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointRefused
-from .policy import Entry
+from .policy import Entry, StateOrder
 from .sequenced import MANIFEST, Kind, SequencedWriter
 from .transport import HashingWriter, Location
 
 FORMAT = "elastic_ring.checkpoint/2"
-_READABLE = ("elastic_ring.checkpoint/1", FORMAT)
+READABLE = ("elastic_ring.checkpoint/1", FORMAT)
 DATA = "data.pt"
-KIND = Kind(format=FORMAT, label="checkpoint", lease_fix="checkpoint_uri")
+
+
+def _state_order(manifest: dict) -> StateOrder | None:
+    """The order of the state a checkpoint holds (``meta.order``, written by ``State``), or None (an older one)."""
+    meta = manifest.get("meta")
+    return StateOrder.parse(meta.get("order")) if isinstance(meta, dict) else None
+
+
+KIND = Kind(format=FORMAT, label="checkpoint", lease_fix="checkpoint_uri", order_of=_state_order)
 
 __all__ = ["CheckpointStore", "FORMAT"]
 
@@ -130,7 +139,7 @@ class CheckpointStore:
     def _manifest(self, seq: int) -> dict:
         path = f"{self.writer.url(self.writer.dir(seq))}/{MANIFEST}"
         manifest = self.writer.read_manifest(seq)
-        if not isinstance(manifest, dict) or manifest.get("format") not in _READABLE:
+        if not isinstance(manifest, dict) or manifest.get("format") not in READABLE:
             found = manifest.get("format") if isinstance(manifest, dict) else None
             raise CheckpointRefused(f"{path} is not an elastic_ring checkpoint (format {found!r}, "
                                     f"expected {FORMAT!r}); point checkpoint_uri at this job's checkpoints")

@@ -16,7 +16,10 @@ every ``optimizer.step()`` (a collective of its own, between the apply and
 ``record_batch()``): kills land there too, and must cost at most the step in
 flight. Commits happen every ``commit_every`` steps (0: only at epoch ends);
 joins, drains and stops happen at the next step. Every process appends
-``round step`` to ``steps-{pid}.log`` after each completed step.
+``round step time`` to ``steps-{pid}.log`` after each completed step (``time``: its wall clock, which the
+tests on one machine compare with the moment they sent a preemption notice). With ``ask_preemption``,
+every step calls ``get_preemption_info()`` (a collective, as in Ray Train) and rank 0 writes the first
+answer that is not None to ``preemption.json``.
 
 Faults are armed by the test through a file (:class:`FaultFile`): each a kind
 and a rank. Each fires once (an ``O_EXCL`` marker file), at its hook point, on the
@@ -170,6 +173,20 @@ def _write_pid(directory: str) -> None:
     os.replace(tmp, os.path.join(directory, f"pid-rank{er.rank()}"))
 
 
+def _note_preemption(directory: str, step: int) -> None:
+    import ray.train  # noqa: F401  (a Ray Train script imports it: its PreemptionInfo is then the type answered)
+
+    from ray_integration.train import get_preemption_info
+
+    info = get_preemption_info()  # every rank, every step: a collective
+    path = os.path.join(directory, "preemption.json")
+    if info is not None and er.rank() == 0 and not os.path.exists(path):
+        with open(path, "w") as f:
+            json.dump({"type": f"{type(info).__module__}.{type(info).__name__}", "step": step, "time": time.time(),
+                       "deadline_ms": info.deadline_ms, "ranks": info.preempted_ranks,
+                       "nodes": info.preempted_node_ids}, f)
+
+
 def train(config: dict):
     global _ARMED
     if config.get("clock_skew_s"):
@@ -243,7 +260,9 @@ def train(config: dict):
                 state.step = state.sampler.step
                 er.report(step=state.step, epoch=state.epoch)
                 with open(step_log, "a") as f:
-                    f.write(f"{er.round_id()} {state.step}\n")
+                    f.write(f"{er.round_id()} {state.step} {time.time():.3f}\n")
+                if config.get("ask_preemption"):
+                    _note_preemption(config["chaos_dir"], state.step)
                 if er.rank() == 0:
                     tmp = os.path.join(config["chaos_dir"], f"progress.tmp{os.getpid()}")
                     with open(tmp, "w") as f:

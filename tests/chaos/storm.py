@@ -27,7 +27,15 @@ NODE_EVENTS = ("node_removed", "node_drained", "node_added", "drain_all")
 #: The driver's loop stalls (its on_report callback blocks for two heartbeat timeouts); the checkpoint
 #: location's file system is full for a few seconds, then space returns.
 OTHER_EVENTS = ("driver_stall", "storage_blip")
-ALL_KINDS = WORKER_FAULTS + NODE_EVENTS + OTHER_EVENTS
+#: Spot reclaims (issue 32): a wave (a loss, then a notice on every node while the ring re-forms; fresh nodes come)
+#: and a notice on every node with no spare capacity (the state is written just in time; the nodes go at their
+#: deadline; capacity returns later and the job resumes from that write).
+RECLAIM_EVENTS = ("reclaim_wave", "notice_no_spare")
+#: The vocabulary before the reclaim events (the fast storms keep their seeded schedules).
+CLASSIC_KINDS = WORKER_FAULTS + NODE_EVENTS + OTHER_EVENTS
+ALL_KINDS = CLASSIC_KINDS + RECLAIM_EVENTS
+#: The notice of ``notice_no_spare``: its nodes drain with this deadline and are removed at it.
+NOTICE_S = 12
 MAX_WORKERS = 4
 MIN_CAPACITY = 3
 #: Seconds to wait for the ring to be steady before an event, or for a fault to fire.
@@ -42,22 +50,22 @@ class StormEvent:
     gap_steps: int      # steps of steady training before the event
 
 
-def schedule(seed: int, n: int, capacity: int = MAX_WORKERS) -> list[StormEvent]:
-    """``n`` events in a seeded order; every kind appears once before any repeats (n >= 13 has all);
-    removals and drains only at full capacity, additions only below it."""
+def schedule(seed: int, n: int, capacity: int = MAX_WORKERS, kinds: tuple[str, ...] = ALL_KINDS) -> list[StormEvent]:
+    """``n`` events of ``kinds`` in a seeded order; every kind appears once before any repeats (n >= len(kinds)
+    has all); removals and drains of one node only above the minimum capacity, additions only below the maximum."""
     rng = random.Random(seed)
     bag: list[str] = []
     events = []
     for _ in range(n):
         if not bag:
-            bag = list(ALL_KINDS)
+            bag = list(kinds)
             rng.shuffle(bag)
         allowed = [k for k in bag if (k not in ("node_removed", "node_drained") or capacity > MIN_CAPACITY)
                    and (k != "node_added" or capacity < MAX_WORKERS)]
         kind = allowed[0]
         bag.remove(kind)
         capacity += {"node_removed": -1, "node_drained": -1, "node_added": 1}.get(kind, 0)  # drain_all: replaced
-        rank = 0 if kind == "kill_in_sync" else rng.randrange(MIN_CAPACITY)
+        rank = 0 if kind == "kill_in_sync" else rng.randrange(MIN_CAPACITY)  # (reclaim_wave: the rank lost first)
         helper = rng.choice([r for r in range(1, MIN_CAPACITY) if r != rank])
         events.append(StormEvent(kind, rank, helper, gap_steps=rng.randrange(4, 10)))
     return events
@@ -77,20 +85,41 @@ def steps_redone(lines: list[tuple[int, int]]) -> dict[int, int]:
     return redone
 
 
-def read_step_logs(directory: str) -> list[tuple[int, int]]:
+def read_step_logs(directory: str, with_time: bool = False) -> list[tuple]:
+    """Every process's ``(round, step)`` lines (``with_time``: ``(round, step, wall time)``)."""
     lines = []
     for name in os.listdir(directory):
         if name.startswith("steps-") and name.endswith(".log"):
             with open(os.path.join(directory, name)) as f:
-                lines += [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 2:
+                        row = (int(parts[0]), int(parts[1]))
+                        lines.append(row + (float(parts[2]),) if with_time and len(parts) > 2 else row)
     return lines
 
 
 def expected_losses(events: list[StormEvent]) -> int:
-    """Members lost: one per worker fault (two for the compound ones) and per removed node; none for a drain
-    (of one node, or of every holder at once), a driver stall or a storage blip."""
-    return sum(2 if e.kind in COMPOUND else 1 if e.kind in WORKER_FAULTS or e.kind == "node_removed" else 0
-               for e in events)
+    """Members lost: one per worker fault (two for the compound ones), per removed node and per reclaim wave (its
+    loss); none for a drain (of one node, or of every holder at once, with or without spare capacity: the leavers
+    leave before their nodes go), a driver stall or a storage blip."""
+    return sum(2 if e.kind in COMPOUND else 1 if e.kind in WORKER_FAULTS or e.kind in ("node_removed", "reclaim_wave")
+               else 0 for e in events)
+
+
+def notice_outcomes(notices: list[tuple[float, float]], lines: list[tuple[int, int, float]]) -> list[dict]:
+    """For each notice without spare capacity, ``(noticed, removed)`` wall times: the seconds the ring trained
+    during the notice, and the steps the ring that resumed after it trained again."""
+    out = []
+    for noticed, removed in notices:
+        during = [t for _, _, t in lines if noticed <= t < removed]
+        before = [s for _, s, t in lines if t < removed]
+        after = [(r, s) for r, s, t in lines if t >= removed]
+        first_round = min((r for r, _ in after), default=None)
+        first_step = min((s for r, s in after if r == first_round), default=None)
+        out.append({"trained_s": round(max(during) - noticed, 1) if during else 0.0,
+                    "redone": None if first_step is None or not before else max(before) - (first_step - 1)})
+    return out
 
 
 class StormController:
@@ -110,8 +139,18 @@ class StormController:
         self.log: list[str] = []
         self.drained = 0               # nodes drained (each gives one node_draining event)
         self.to_remove: list = []      # drained nodes whose workers have left: removed once the ring is steady
+        self.notices: list[tuple[float, float]] = []  # notice_no_spare: (noticed, removed) wall times
         self.stall_requested = threading.Event()
         self.stalled = threading.Event()
+        self.ring_nodes: list[str] = []  # the nodes (12-hex prefixes) of the newest ring, from its ring_formed event
+
+    def on_event(self, event) -> None:
+        """The trainer's on_event: the newest ring's nodes (a drained node goes only once no member is on it)."""
+        if event.kind == "ring_formed":
+            self.ring_nodes = list(event.detail.get("nodes") or [])
+
+    def _drained_nodes_in_use(self) -> bool:
+        return any(node.node_id[:12] in self.ring_nodes for node in self.to_remove)
 
     def on_report(self, record: dict) -> None:
         """The trainer's on_report (runs on the driver's loop): blocks it once when a stall is requested."""
@@ -136,7 +175,8 @@ class StormController:
             p = self.progress()
             if p is not None:
                 step, world, rnd, _ = p
-                if world == min(len(self.nodes), MAX_WORKERS) and rnd > self.last_round:
+                if world == min(len(self.nodes), MAX_WORKERS) and rnd > self.last_round and \
+                        not self._drained_nodes_in_use():  # (leavers may train on until the deadline)
                     first_step = step if first_step is None else first_step
                     if step >= first_step + gap_steps:
                         while self.to_remove:  # the drained nodes' workers have left: the nodes go
@@ -194,6 +234,24 @@ class StormController:
                     self.drain(self.cluster, node, deadline_s=120)
                 self.drained += len(old)
                 self.to_remove += old
+            elif event.kind == "reclaim_wave":  # a loss, then a notice on every node while the ring re-forms
+                self._wait_fired(self._arm(("sigkill", event.rank)), is_alive)
+                old, self.nodes = self.nodes, [self.cluster.add_node(num_cpus=1, resources={"slot": 1})
+                                               for _ in self.nodes]
+                for node in old:
+                    self.drain(self.cluster, node, deadline_s=120)
+                self.drained += len(old)
+                self.to_remove += old
+            elif event.kind == "notice_no_spare":  # every node, nowhere to go: written just in time
+                noticed = time.time()
+                for node in self.nodes:
+                    self.drain(self.cluster, node, deadline_s=NOTICE_S)
+                self.drained += len(self.nodes)
+                time.sleep(max(0.0, noticed + NOTICE_S - time.time()))
+                for node in self.nodes:   # the nodes go at their deadline
+                    self.cluster.remove_node(node, allow_graceful=False)
+                self.notices.append((noticed, time.time()))
+                self.nodes = [self.cluster.add_node(num_cpus=1, resources={"slot": 1}) for _ in self.nodes]
             elif event.kind == "driver_stall":
                 self.stall_requested.set()
                 if not self.stalled.wait(STEADY_TIMEOUT_S):

@@ -1,10 +1,12 @@
 """The chaos suite: a seeded storm of failures and membership changes on a local multi-node
 cluster, after which the model must equal its closed-form value exactly on every rank.
 
-CI runs two fast storms (3 classic events; 4 spot events: a drain of every holder, a death during a
-formation, a storage blip, a driver stall). The long storm (13 events: every kind once, every worker's
-clock 15 s off) runs with ``python -m pytest -m slow tests/chaos``. Commits happen only at
-epoch ends; every re-form must redo at most the step in flight.
+CI runs a fast storm (4 spot events: a drain of every holder, a death during a formation, a storage blip, a
+driver stall); ``python -m pytest -m slow tests/chaos`` runs a classic one (3 events), the reclaim storm (a
+reclaim wave: a loss, then a notice on every node while the ring re-forms; and a notice on every node with no
+spare capacity, whose nodes go at the deadline) and the long storms (15 events: every kind once, every worker's
+clock 15 s off). Commits happen only at epoch ends; every re-form must redo at most the step in flight, and the
+ring that resumes after a notice without spare capacity redoes nothing (its state was written just in time).
 """
 
 import contextlib
@@ -51,6 +53,23 @@ def test_steps_redone(lines, expected):
     assert storm.steps_redone(lines) == expected
 
 
+def test_the_fast_storms_keep_their_schedules():
+    assert [e.kind for e in storm.schedule(405, 4, kinds=storm.CLASSIC_KINDS)] == [
+        "drain_all", "kill_in_formation", "storage_blip", "driver_stall"]
+    assert [e.kind for e in storm.schedule(607, 3, kinds=storm.CLASSIC_KINDS)] == [
+        "kill_in_sync", "node_removed", "node_added"]
+
+
+@pytest.mark.parametrize("lines, expected", [
+    # noticed at 100, the nodes went at 112: trained until 109.5; the ring that resumed began at step 21
+    ([(1, 10, 99.0), (1, 11, 101.0), (1, 20, 109.5), (3, 21, 130.0), (3, 22, 130.1)], {"trained_s": 9.5, "redone": 0}),
+    ([(1, 11, 101.0), (1, 20, 109.5), (3, 19, 130.0), (3, 20, 130.1)], {"trained_s": 9.5, "redone": 2}),
+    ([(1, 10, 99.0)], {"trained_s": 0.0, "redone": None}),       # nothing after it (yet)
+])
+def test_notice_outcomes(lines, expected):
+    assert storm.notice_outcomes([(100.0, 112.0)], lines) == [expected]
+
+
 def test_schedule_keeps_capacity_and_covers_every_kind():
     for seed in range(20):
         events = storm.schedule(seed, len(storm.ALL_KINDS))
@@ -90,8 +109,9 @@ def small_file_system(path: pathlib.Path, size_mb: int = 16):
         subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
-def run_storm(slot_cluster, tmp_path, seed: int, count: int, time_bound_s: float, clock_skew_s: float = 0.0):
-    events = storm.schedule(seed, count)
+def run_storm(slot_cluster, tmp_path, seed: int, count: int, time_bound_s: float, clock_skew_s: float = 0.0,
+              kinds: tuple[str, ...] = storm.ALL_KINDS, events: list | None = None):
+    events = events if events is not None else storm.schedule(seed, count, kinds=kinds)
     if any(e.kind == "storage_blip" for e in events):
         with small_file_system(tmp_path / "ckpt") as blip:
             return _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s, blip)
@@ -101,12 +121,14 @@ def run_storm(slot_cluster, tmp_path, seed: int, count: int, time_bound_s: float
 def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s, blip):
     cluster, nodes = slot_cluster
     controller = storm.StormController(cluster, nodes, str(tmp_path), drain, blip=blip)
-    checkpoints = dict(checkpoint_uri=str(tmp_path / "ckpt"), checkpoint_every_n_commits=1) if blip else {}
+    checkpoints = {}
+    if blip or any(e.kind == "notice_no_spare" for e in events):  # (a notice with no spare capacity needs a location)
+        checkpoints = dict(checkpoint_uri=str(tmp_path / "ckpt"), checkpoint_every_n_commits=1 if blip else 1000)
     trainer = ElasticTrainer(min_workers=2, max_workers=storm.MAX_WORKERS, resources_per_worker={"slot": 1},
                              cpus_per_worker=1, heartbeat_timeout_s=3, max_failures=50, progress=False, **checkpoints)
     started = time.monotonic()
     thread, box = run_in_thread(trainer, {"chaos_dir": str(tmp_path), "clock_skew_s": clock_skew_s},
-                                fn=invariant_job.train, on_report=controller.on_report)
+                                fn=invariant_job.train, on_report=controller.on_report, on_event=controller.on_event)
     storm_error = None
     try:
         controller.run(events, thread.is_alive)
@@ -126,7 +148,8 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
     assert value["exact"], (value["w"], invariant_job.expected_w(value["epochs"]).tolist(), controller.log)
     assert value["identical"] and value["seen"] == [float(value["epochs"])] * invariant_job.N_SAMPLES
     # every event is in the record
-    assert kinds.count("worker_lost") == storm.expected_losses(events), (kinds, controller.log)
+    assert kinds.count("worker_lost") == storm.expected_losses(events), (
+        [f"r{e.round_id} {e.detail}" for e in result.events if e.kind == "worker_lost"], kinds, controller.log)
     assert kinds.count("node_draining") == controller.drained, kinds
     assert kinds.count("driver_stalled") >= sum(e.kind == "driver_stall" for e in events), kinds
     if any(e.kind == "storage_blip" for e in events):   # the blip is retried or an event, never the end of the run
@@ -136,28 +159,45 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
     recoveries = [e.detail["seconds"] for e in result.events if e.kind == "recovered"]
     assert elapsed < time_bound_s, (elapsed, controller.log)
     # commits only at epoch ends, yet every failure loses at most the step in flight
-    redone = storm.steps_redone(storm.read_step_logs(str(tmp_path)))
+    lines = storm.read_step_logs(str(tmp_path), with_time=True)
+    redone = storm.steps_redone([(r, s) for r, s, _ in lines])
     assert redone and max(redone.values()) <= 1, (redone, controller.log)
+    notices = storm.notice_outcomes(controller.notices, lines)
+    assert all(n["redone"] == 0 for n in notices), (notices, controller.log)  # written just in time: nothing redone
+    assert kinds.count("drain_released") >= len(notices), kinds
     print(f"storm seed={seed}: {len(events)} events {[e.kind for e in events]}, {kinds.count('worker_lost')} "
           f"workers lost, {len(recoveries)} recoveries, max recovery {max(recoveries, default=0):.3f} s, "
           f"{value['epochs']} epochs, invariant exact on {value['world']} ranks, {elapsed:.0f} s, "
-          f"steps redone per re-form {sorted(redone.values())} (commits only at epoch ends)")
+          f"steps redone per re-form {sorted(redone.values())} (commits only at epoch ends)"
+          + "".join(f"; a {storm.NOTICE_S} s notice without spare capacity: trained {n['trained_s']} s of it, "
+                    f"{n['redone']} steps redone after the resume" for n in notices))
     return result
 
 
 @pytest.mark.slow  # 30 s; the spot storm below stays in the default suite (kills in a sync and joins have their own tests)
 def test_fast_storm(slot_cluster, tmp_path):
-    run_storm(slot_cluster, tmp_path, seed=607, count=3, time_bound_s=150)  # kill_in_sync, node_removed, node_added
+    run_storm(slot_cluster, tmp_path, seed=607, count=3, time_bound_s=150,   # kill_in_sync, node_removed, node_added
+              kinds=storm.CLASSIC_KINDS)
 
 
 def test_fast_spot_storm(slot_cluster, tmp_path):
     # a drain of every holder, a death during a formation, a storage blip, a driver stall
-    run_storm(slot_cluster, tmp_path, seed=405, count=4, time_bound_s=180)
+    run_storm(slot_cluster, tmp_path, seed=405, count=4, time_bound_s=180, kinds=storm.CLASSIC_KINDS)
+
+
+@pytest.mark.slow  # ~2 min
+def test_reclaim_storm(slot_cluster, tmp_path):
+    """A reclaim wave (a worker lost, then a notice on every node while the ring re-forms; fresh nodes come), then
+    a notice on every node with no spare capacity (nodes removed at the deadline; capacity returns after it)."""
+    events = [storm.StormEvent("reclaim_wave", rank=1, helper_rank=2, gap_steps=5),
+              storm.StormEvent("notice_no_spare", rank=0, helper_rank=1, gap_steps=5)]
+    run_storm(slot_cluster, tmp_path, seed=0, count=2, time_bound_s=300, events=events)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_long_storm(slot_cluster, tmp_path, seed):
-    # every kind once, with every worker's clock 15 s off (plus or minus): no healthy worker may be lost to it
+    # every kind once (the reclaim events too), with every worker's clock 15 s off (plus or minus): no healthy
+    # worker may be lost to it
     run_storm(slot_cluster, tmp_path, seed=seed, count=len(storm.ALL_KINDS), time_bound_s=500, clock_skew_s=15.0)

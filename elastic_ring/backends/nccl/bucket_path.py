@@ -29,12 +29,11 @@ caller's next launch or the step's wait raises :class:`~elastic_ring.core.errors
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...core.errors import CommError
-from ..base import BucketPath, Work
+from ..base import BucketPath, Communicator, Work
 from . import lib as nccl_lib
 from .codes import reduce_dtype
 from .handle import settle
@@ -42,8 +41,6 @@ from .launcher import LauncherFailed
 from .lib import NcclError
 from .watchdog import OrderedWatch
 
-if TYPE_CHECKING:
-    from .communicator import NcclCommunicator
 
 #: The paths this module implements (``collective`` is the base class's).
 MODES = ("inline", "thread")
@@ -64,7 +61,7 @@ class _BucketWork(Work):
 class NcclBucketPath(BucketPath):
     """``inline`` or ``thread`` (see the module's docstring) for one communicator."""
 
-    def __init__(self, comm: "NcclCommunicator", mode: str) -> None:
+    def __init__(self, comm: Communicator, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"NCCL bucket path {mode!r} is not one of {MODES}")
         super().__init__(comm)
@@ -87,6 +84,9 @@ class NcclBucketPath(BucketPath):
         comm = self.comm
         if comm._error is not None or comm._closed:
             comm.check_usable()
+        if comm.before_issue:  # an _async queue: what was called before this bucket goes out first
+            for hook in comm.before_issue:
+                hook()
         i = self._count
         if i == len(self._done):
             self._ready.append(torch.cuda.Event())
@@ -146,7 +146,7 @@ def pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-def launch_jobs(comm: "NcclCommunicator", jobs: list[tuple]) -> None:
+def launch_jobs(comm: Communicator, jobs: list[tuple]) -> None:
     """Launch ``jobs`` (``(path, tensor, ready, done, readback)``, in order) on ``comm``'s side stream: each waits
     for its ready event, the collectives go out (several: in one group), then the trailer copies and the done
     events; each path's watchdog entry moves to its last bucket. On the caller's thread (inline) or the
