@@ -8,7 +8,7 @@ stops, the inbox backlog: all inherited, unchanged), with the methods that talk 
   while the scenario holds them (:attr:`SimPool.hold`: no room in the cluster), when it releases them;
 * ``apply_ray`` reads the scenario's completions (``("info" | "dead" | "return", worker id)``) instead of
   ``ray.get`` on object refs; ``watched_refs`` is empty (nothing for the Ray watcher to wait on);
-* ``notify`` and ``abort_round`` (actor calls in a real job) push a sealed message into the worker's queue;
+* ``notify``, ``tell_preemption`` and ``abort_round`` (actor calls in a real job) push a sealed message into the worker's queue;
 * ``kill`` tells the worker's process to drop it; ``probe`` answers at once from the scenario's truth;
 * ``draining_nodes`` returns the scenario's drains instead of asking Ray's GCS.
 
@@ -86,11 +86,16 @@ class SimPool(WorkerPool):
                 record.value, record.finished = None, True
 
     def notify(self, records: list[WorkerRecord], round_id: int, change: bool = False, persist: bool = False,
-               stop: bool = False) -> None:
+               stop: bool = False, persist_id: int = 0, within_s: float | None = None) -> None:
         for record in records:
             if not record.dead:
                 self.send.send(self.keys.worker_inbox(record.worker_id), "sim_notify", round=round_id, change=change,
                                persist=persist, stop=stop)
+
+    def tell_preemption(self, records: list[WorkerRecord], notice: dict) -> None:
+        for record in records:
+            if not record.dead and not record.finished:
+                self.send.send(self.keys.worker_inbox(record.worker_id), "sim_preemption")
 
     def abort_round(self, records: list[WorkerRecord], round_id: int, why: str) -> None:
         for record in records:
@@ -114,8 +119,9 @@ class SimPool(WorkerPool):
             record.dead = True
 
     # ------------------------------------------------------------ measured
-    def answer(self, record: WorkerRecord, spec: Any, stop: bool = False, handover: bool = False) -> None:
-        super().answer(record, spec, stop=stop, handover=handover)
+    def answer(self, record: WorkerRecord, spec: Any, stop: bool = False, handover: bool = False,
+               persist_id: int = 0, within_s: float | None = None) -> None:
+        super().answer(record, spec, stop=stop, handover=handover, persist_id=persist_id, within_s=within_s)
         self.answered_at[(spec.round_id, record.worker_id)] = time.time()
 
     def apply(self, msg: dict) -> None:
