@@ -23,7 +23,8 @@ import time
 from typing import Any, Callable
 
 from ray_integration.driver.decisions import Probe
-from ray_integration.driver.pool import WorkerPool, WorkerRecord
+from ray_integration.driver.pool import WorkerPool
+from ray_integration.driver.records import WorkerRecord
 from ray_integration.wire.protocol import WorkerKind
 
 
@@ -124,11 +125,11 @@ class SimPool(WorkerPool):
         super().answer(record, spec, stop=stop, handover=handover, persist_id=persist_id, within_s=within_s)
         self.answered_at[(spec.round_id, record.worker_id)] = time.time()
 
-    def apply(self, msg: dict) -> None:
+    def apply(self, msg: dict) -> bool:
         kind = WorkerKind.of(msg)
         if kind is WorkerKind.HEARTBEAT or kind is WorkerKind.REPORT:
             with self._lock:
                 self.background_msgs += 1
                 if kind is WorkerKind.HEARTBEAT and self.lags is not None and isinstance(msg.get("t"), float):
                     self.lags.append(time.time() - msg["t"])
-        super().apply(msg)
+        return super().apply(msg)
