@@ -15,7 +15,9 @@ real store server:
 * ``wait_all_keys_ms`` / ``wait_one_key_ms``: one rank's wait in the formation's arrival barrier before issue 34
   (on all N ranks' keys) and now (on one key), wall time on a store where the keys exist; the store's one thread
   serves the N ranks' waits one after another;
-* ``demand_cores``: what the loop would need at 2 wake-ups per worker per second (the heartbeats), ``2 N · step_ms``.
+* ``demand_cores``: what the loop would need if every heartbeat stepped the state (before issue 34: 2 wake-ups per
+  worker per second), ``2 N · step_ms``; ``tick_cores``: what it needs stepping every ``TICK_S`` and applying the
+  2 N heartbeats per second, ``step_ms / TICK_S + 2 N · apply_us``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def costs(n: int) -> dict[str, float]:
     from elastic_ring.ring.store import StoreServer
     from ray_integration.config import TrainerConfig
     from ray_integration.driver.events import EventLog
-    from ray_integration.driver.loop import Driver
+    from ray_integration.driver.loop import TICK_S, Driver
     from ray_integration.driver.mailroom import RoundKeys
     from ray_integration.driver.states import Running, Starting
     from ray_integration.wire.channel import Channel
@@ -123,12 +125,13 @@ def costs(n: int) -> dict[str, float]:
     cleaner.forget_before(2)
     out["cleanup_ms"] = (time.thread_time() - started) * 1000
     out["demand_cores"] = 2 * n * out["step_ms"] / 1000
+    out["tick_cores"] = out["step_ms"] / 1000 / TICK_S + 2 * n * out["apply_us"] / 1e6
     return out
 
 
 def main(ns: list[int]) -> None:
     names = ("context_ms", "step_ms", "kill_silent_ms", "apply_us", "answers_ms", "answer_kb", "cleanup_ms",
-             "wait_all_keys_ms", "wait_one_key_ms", "demand_cores")
+             "wait_all_keys_ms", "wait_one_key_ms", "demand_cores", "tick_cores")
     print("workers " + " ".join(f"{name:>14}" for name in names), flush=True)
     for n in ns:
         row = costs(n)

@@ -32,7 +32,7 @@ from ray_integration.wire.settings import WorkerSettings
 
 @pytest.mark.parametrize("kind, changed, wakes", [
     ("hb", False, False),            # a counter advanced: the tick will do
-    ("hb", True, True),              # a new ring request, the state held, a worker heard after a silence
+    ("hb", True, True),              # a new ring request, or the state held
     ("report", False, False),
     ("timeline", False, False),
     ("ring_request", False, True),   # every other kind steps at once
@@ -314,5 +314,31 @@ def test_a_lost_answer_is_sent_again_net_of_the_inbox_delay_and_less_often_each_
         record.answered_at -= 4.5 * interval
         heartbeat()
         assert sent() == 3
+    finally:
+        server.close()
+
+
+def test_a_heartbeat_wakes_the_states_only_with_news():
+    server = StoreServer("127.0.0.1")
+    try:
+        wakeups = queue.SimpleQueue()
+        config = TrainerConfig(min_workers=1, max_workers=1, progress=False)
+        pool = SimPool(config, Channel(server.store, new_secret(), DRIVER), "127.0.0.1", server.address.port,
+                       Keys("job-news"), b"k" * 32, None, {}, WorkerSettings(driver_silence_s=60.0, flush_timeout_s=10.0),
+                       wakeups=wakeups, nodes={"w": "n" * 56}, order=["w"], command=lambda kind, wids: None)
+        pool.request(1)
+        pool.apply_ray(wakeups.get()[1])
+        seq = iter(range(1, 100))
+
+        def heartbeat(**fields) -> bool:
+            n = next(seq)
+            return pool.apply({"from": "w", "n": n, "k": "hb", "seq": n, **fields})
+
+        assert heartbeat(waiting=1, reason="start")      # it asks for a ring
+        assert not heartbeat(waiting=1, reason="start")  # the same request again
+        assert heartbeat(synced=True)                    # it holds the state now
+        assert not heartbeat(synced=True)
+        pool.records["w"].beat_at -= 30
+        assert not heartbeat()  # heard again after a gap (a driver behind its inbox hands heartbeats over in bursts)
     finally:
         server.close()

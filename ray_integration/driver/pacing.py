@@ -10,15 +10,16 @@ computes its quorum on a fixed tick.
 
 from __future__ import annotations
 
-#: The kinds of worker message that change no decision unless applying them changed the worker's record (a
-#: heartbeat that only advanced a counter; rank 0's reports and timeline batches, which the trainer consumes).
+#: The kinds of worker message that change no decision unless applying them changed what the states read (a
+#: heartbeat that only advanced its counter; rank 0's reports and timeline batches, which the trainer consumes).
 BACKGROUND_KINDS = frozenset({"hb", "report", "timeline"})
 
 
 def wakes_states(kind: str, changed: bool) -> bool:
     """Whether a worker's message of ``kind`` (its ``k``), once applied, asks for a step now. ``changed``:
-    applying it changed what a state reads (a new ring request, a worker that now holds the state, a worker
-    heard again after a silence). Everything else (a ring request, a fault, a checkpoint) steps at once."""
+    applying it changed what a state reads (a new ring request, a worker that now holds the state; not a counter
+    that advanced: silence is judged at the next step, which sees it). Everything else (a ring request, a fault, a
+    checkpoint) steps at once."""
     return changed or kind not in BACKGROUND_KINDS
 
 

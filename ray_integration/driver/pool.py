@@ -215,11 +215,11 @@ class WorkerPool:
         return wakes_states(kind.value, changed)
 
     def _heartbeat(self, record: WorkerRecord, msg: dict, now: float) -> bool:
+        # A counter that advanced changes no decision by itself: silence is judged at the next step, which sees it.
+        # (Counting a worker heard again after a gap as news would make every heartbeat news once the driver falls
+        # behind its inbox, which hands them over in bursts: a step per message again, and further behind.)
         changed = False
         if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
-            # a worker that had gone quiet (or is being probed) may be under a verdict: the states look again
-            changed = record.beat_at is None or record.probe_ref is not None or record.unheard > 0 or \
-                now - record.beat_at > 2 * self.config.heartbeat_interval_s
             record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
             record.unheard, record.probe_ref = 0, None
         if msg.get("synced") is True and not record.has_state:
