@@ -10,16 +10,17 @@ computes its quorum on a fixed tick.
 
 from __future__ import annotations
 
-#: The kinds of worker message that change no decision unless applying them changed what the states read (a
-#: heartbeat that only advanced its counter; rank 0's reports and timeline batches, which the trainer consumes).
-BACKGROUND_KINDS = frozenset({"hb", "report", "timeline"})
+#: The kinds of worker message that ask for no step unless applying them brought a new ring request: a heartbeat
+#: (its counter, its ``synced`` flag), ``synced`` (every member sends one after each round's sync: N at once, and
+#: no decision needs it before the next tick), rank 0's reports and timeline batches (the trainer consumes them).
+BACKGROUND_KINDS = frozenset({"hb", "synced", "report", "timeline"})
 
 
 def wakes_states(kind: str, changed: bool) -> bool:
     """Whether a worker's message of ``kind`` (its ``k``), once applied, asks for a step now. ``changed``:
-    applying it changed what a state reads (a new ring request, a worker that now holds the state; not a counter
-    that advanced: silence is judged at the next step, which sees it). Everything else (a ring request, a fault, a
-    checkpoint) steps at once."""
+    applying it brought a new ring request (not a counter that advanced: silence is judged at the next step,
+    which sees it; nor a worker that now holds the state). Everything else (a ring request, a fault, a checkpoint)
+    steps at once."""
     return changed or kind not in BACKGROUND_KINDS
 
 

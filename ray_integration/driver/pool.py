@@ -222,8 +222,8 @@ class WorkerPool:
         if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
             record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
             record.unheard, record.probe_ref = 0, None
-        if msg.get("synced") is True and not record.has_state:
-            record.has_state = changed = True
+        if msg.get("synced") is True:
+            record.has_state = True
         waiting = msg.get("waiting")
         if isinstance(waiting, int) and waiting > 0:
             changed = self._note_request(record, waiting, msg.get("reason")) or changed
@@ -237,8 +237,8 @@ class WorkerPool:
         return self._note_request(record, msg.get("generation"), msg.get("reason"))
 
     def _synced(self, record: WorkerRecord, msg: dict, now: float) -> bool:
-        changed, record.has_state = not record.has_state, True
-        return changed
+        record.has_state = True
+        return False
 
     def _report(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         if isinstance(msg.get("record"), dict):
