@@ -341,3 +341,30 @@ def test_a_heartbeat_wakes_the_states_only_with_news():
         assert not heartbeat()  # heard again after a gap (a driver behind its inbox hands heartbeats over in bursts)
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- the silence scan (plan item 3, as a prefilter)
+def test_the_silence_scan_builds_no_view_of_a_heard_worker(monkeypatch):
+    from ray_integration.driver.records import WorkerRecord
+
+    server = StoreServer("127.0.0.1")
+    try:
+        wakeups, order = queue.SimpleQueue(), [f"{i:08x}" for i in range(1000)]
+        config = TrainerConfig(min_workers=1, max_workers=1000, progress=False)
+        pool = SimPool(config, Channel(server.store, new_secret(), DRIVER), "127.0.0.1", server.address.port,
+                       Keys("job-scan"), b"k" * 32, None, {}, WorkerSettings(driver_silence_s=60.0, flush_timeout_s=10.0),
+                       wakeups=wakeups, nodes={w: f"{i // 8:056x}" for i, w in enumerate(order)}, order=order,
+                       command=lambda kind, wids: None)
+        driver = Driver(config, pool, "127.0.0.1", EventLog(), wakeups)
+        pool.request(1000)
+        pool.apply_ray(wakeups.get()[1])
+        for record in pool.records.values():
+            record.heard_at = record.beat_at  # heard: a silent one among them is lost, not a sign of tampering
+        views = []
+        view = WorkerRecord.view
+        monkeypatch.setattr(WorkerRecord, "view", lambda self, *a: views.append(self.worker_id) or view(self, *a))
+        assert not driver.kill_silent([], None) and views == []
+        pool.records[order[500]].beat_at -= 60
+        assert driver.kill_silent([], None) and pool.records[order[500]].dead and views == [order[500]]
+    finally:
+        server.close()

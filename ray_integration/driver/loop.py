@@ -242,13 +242,20 @@ class Driver:
         delay = self.inbox.delay_s(now)
         member_ids = {r.worker_id for r in members}
         ring_ids = set(self.ring.worker_ids) if self.ring else set()
+        # Only workers silent past the shortest limit in force (or every member, once the stuck rule may apply)
+        # can be condemned: one comparison each, a view and the decision only for those (most steps: none).
+        silent_before = now - delay - decisions.silence_limit_s(self.limits, failure_age_s)
+        every_member = decisions.stuck_rule_applies(self.limits, failure_age_s)
         verdicts: list[tuple[WorkerRecord, Kill]] = []
         for r in members:
-            kill = decisions.kill_cause(r.view(now, delay), self.limits, failure_age_s)
-            if kill:
-                verdicts.append((r, kill))
+            if every_member or r.beat_at is not None and r.beat_at < silent_before:
+                kill = decisions.kill_cause(r.view(now, delay), self.limits, failure_age_s)
+                if kill:
+                    verdicts.append((r, kill))
+        silent_before = now - delay - decisions.silence_limit_s(self.limits, None)
         for r in self.pool.live():  # joiners and starting workers: only the heartbeat rule
-            if r.worker_id not in member_ids and r.worker_id not in ring_ids and r.info is not None:
+            if r.beat_at is not None and r.beat_at < silent_before and r.worker_id not in member_ids and \
+                    r.worker_id not in ring_ids and r.info is not None:
                 kill = decisions.kill_cause(r.view(now, delay), self.limits, None)
                 if kill:
                     verdicts.append((r, kill))
