@@ -170,7 +170,7 @@ def test_a_ring_request_steps_the_state_at_once(job):
         j.wait(lambda: len(j.steps) > before, "a step")
         latencies.append(j.steps[before] - sent)
         j.wait(lambda: j.pool.records[wid].generation == 2, "the request applied")
-    assert statistics.median(latencies) < TICK_S / 2, latencies
+    assert statistics.median(latencies) < 0.75 * TICK_S, latencies  # (the tick would be TICK_S away)
 
 
 # ---------------------------------------------------------------- one Context per step (plan item 2)
