@@ -14,7 +14,7 @@ import torch.distributed as dist
 import elastic_ring as er
 from elastic_ring.backends import arrival, formation
 from elastic_ring.core.auth import AuthenticatedStore
-from tests.process_ring import TEST_SECRET
+from tests.process_ring import TEST_SECRET, ProcessRing
 
 HOST = "127.0.0.1"
 
@@ -118,7 +118,17 @@ def _form_over_a_forged_counter(port: int, n: int, m: int) -> dict:
     return dict(took_s=took, message=message, total=er.allreduce(torch.ones(2), op=er.Sum).tolist())
 
 
-def test_a_forged_counter_fails_the_round_at_once_and_the_next_round_forms(ring):
+@pytest.fixture
+def own_ring():
+    """Processes of this test's own: a rank whose store connection the server dropped keeps that history, and
+    the session's shared ranks must not inherit it."""
+    pool = ProcessRing(2)
+    yield pool
+    pool.close()
+
+
+def test_a_forged_counter_fails_the_round_at_once_and_the_next_round_forms(own_ring):
+    ring = own_ring
     r0 = ring._round + 1
     n, m = r0 + 1, r0 + 2
     spec_n = er.RingSpec(round_id=n, rank=0, world_size=2, node_ids=("n",) * 2, store=ring.address,
