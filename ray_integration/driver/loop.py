@@ -341,7 +341,7 @@ class Driver:
                 last = now
                 self.newly_draining = ()
                 state = self.advance(state)
-                if on_tick is not None:
+                if on_tick is not None and not state.terminal:  # the caller checks the ended run itself
                     on_tick(self)
             return state
         finally:
