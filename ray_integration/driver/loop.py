@@ -113,8 +113,7 @@ class Driver:
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
             ever_had_state=any(r.has_state for r in records), checkpoint=self.resumable_checkpoint(),
             drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis,
-            write_landing=self.pool.persists.landing(
-                lambda w: w in self.pool.records and not self.pool.records[w].dead and not self.pool.records[w].finished))
+            write_landing=self.pool.persists.landing(self._working))
 
     def resumable_checkpoint(self) -> str | None:
         """The newest checkpoint the job would resume from: its state's, or (``write_on_notice=False``: a Ray Train
@@ -129,7 +128,12 @@ class Driver:
         if not since:
             return None
         return self.pool.persists.view(min(since), now, can_persist=self.config.checkpoint_uri is not None
-                                      and self.config.write_on_notice)
+                                      and self.config.write_on_notice, working=self._working)
+
+    def _working(self, worker_id: str) -> bool:
+        """A worker that took a write still works on it: alive and not returned."""
+        record = self.pool.records.get(worker_id)
+        return record is not None and not record.dead and not record.finished
 
     # ------------------------------------------------------------ the one place that acts
     def act(self, action: Action) -> None:
