@@ -108,7 +108,6 @@ def test_the_launcher_checks_its_arguments_before_starting_anything(tmp_path):
         parse(["--worker-errors", "retry", str(SCRIPT)])
 
 
-@pytest.mark.slow  # ~20 s; Horovod's elastic script, unchanged, under a fault stays covered by tests/test_horovod_elastic_script.py
 def test_horovods_elastic_mnist_with_only_its_import_changed_survives_a_sigkill(tmp_path):
     marker = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
