@@ -134,6 +134,7 @@ class TrainerConfig:
     tune_allocator: bool = True
     nccl_reform: str = "init"
     worker_errors: str = "fail"
+    write_on_notice: bool = True
 
     def __post_init__(self) -> None:
         check_int(_OWNER, "min_workers", self.min_workers, minimum=1)
@@ -149,6 +150,7 @@ class TrainerConfig:
                 raise ValueError(f"ElasticTrainer start_workers={self.start_workers} must be between min_workers="
                                  f"{self.min_workers} and max_workers={self.max_workers}")
         check_bool(_OWNER, "use_gpu", self.use_gpu)
+        check_bool(_OWNER, "write_on_notice", self.write_on_notice)
         check_number(_OWNER, "cpus_per_worker", self.cpus_per_worker, allow_equal=True, unit="CPUs")
         if self.gpus_per_worker is not None:
             check_number(_OWNER, "gpus_per_worker", self.gpus_per_worker, unit="GPUs")

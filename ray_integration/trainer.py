@@ -283,10 +283,9 @@ class ElasticTrainer:
             raise final.error
         written = [e.detail.get("uri") for e in events.events if e.kind == "checkpoint_written"]
         checkpoint_error = _final_checkpoint_error(events.events)
-        if isinstance(final, Finished):
-            checkpoint = written[-1] if written else self._newest_checkpoint(events)
-        else:  # the store first: a stop's final write is the newest, whether or not its event arrived
-            checkpoint = self._newest_checkpoint(events) or (written[-1] if written else None)
+        # the store first: it orders by state (a leaver's late write of an older state is not the newest), and a
+        # stop's final write is the newest whether or not its event arrived
+        checkpoint = self._newest_checkpoint(events) or (written[-1] if written else None)
         common = dict(metrics_history=mailroom.metrics, events=list(events.events), checkpoint_uri=checkpoint,
                       checkpoint=self._result_checkpoint(checkpoint), path=self.config.checkpoint_uri,
                       stop_reason=stop_reason, checkpoint_error=checkpoint_error)

@@ -158,5 +158,9 @@ class Durable:
         self._writer.submit_copy(tree, meta, tags=tags, retry_until=persist_by)
         listener = hooks.listener()
         if listener is not None and persist_id:
-            listener({"kind": "persist_started", "persist": persist_id, "order": meta["order"],
-                      "commits": meta["commits"]})
+            try:  # a courtesy to the driver (the write's own events carry the number): never the loop's error
+                listener({"kind": "persist_started", "persist": persist_id, "order": meta["order"],
+                          "commits": meta["commits"]})
+            except Exception as exc:  # noqa: BLE001 - logged; the write goes on
+                _log.warning("could not tell the driver that write %d started: %s: %s", persist_id,
+                             type(exc).__name__, exc)

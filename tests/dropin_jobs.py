@@ -88,3 +88,30 @@ def raises(config: dict):
             torch.save({"step": step + 1}, os.path.join(d, "step.pt"))
             train.report({"step": step + 1, "resumed_from": start}, checkpoint=train.Checkpoint.from_directory(d))
     return start
+
+
+def rank0_reports_then_dies(config: dict):
+    """Ray's DDP pattern: only rank 0 reports a checkpoint (a large one, so that an upload in the background would
+    still be in flight). Rank 0 of the first ring is SIGKILLed right after ``report(step kill_after)`` returned;
+    every entry logs the step it resumed from."""
+    import json
+
+    checkpoint, start = train.get_checkpoint(), 0
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "s.json")) as f:
+            start = json.load(f)["step"]
+    with open(config["log"], "a") as f:
+        f.write(json.dumps({"rank": er.rank(), "round": er.round_id(), "resumed_from": start}) + "\n")
+    for step in range(start + 1, config["steps"] + 1):
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = None
+            if train.get_context().get_world_rank() == 0:
+                with open(os.path.join(d, "s.json"), "w") as f:
+                    json.dump({"step": step}, f)
+                with open(os.path.join(d, "blob.bin"), "wb") as f:
+                    f.write(os.urandom(config["blob_mib"] << 20))
+                ckpt = train.Checkpoint.from_directory(d)
+            train.report({"step": step}, checkpoint=ckpt)
+        if step == config["kill_after"] and er.round_id() == 1 and er.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return start

@@ -46,6 +46,7 @@ def test_tuning_removes_the_page_faults_of_freed_large_blocks():
     assert default[1] > 50_000 and tuned[1] < 1_000, (default, tuned)
 
 
+@pytest.mark.slow  # ~12 s with its Ray set-up; the tuning itself stays covered by this module's process tests
 def test_workers_tune_by_default_and_the_option_turns_it_off(ray_session):
     on = ElasticTrainer(min_workers=1, max_workers=1, progress=False).run(ray_jobs.allocator_probe).value
     off = ElasticTrainer(min_workers=1, max_workers=1, progress=False, tune_allocator=False).run(

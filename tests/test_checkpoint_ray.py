@@ -11,6 +11,7 @@ from tests import ray_jobs
 from tests.test_trainer_cluster import run_in_thread
 
 
+@pytest.mark.slow  # ~11 s; the lease's refusal stays covered by tests/test_checkpoint_lease.py
 def test_a_second_live_job_on_the_same_location_is_refused_within_seconds(ray_session, tmp_path):
     uri = str(tmp_path / "ckpt")
     first = ElasticTrainer(min_workers=1, max_workers=1, checkpoint_uri=uri, checkpoint_every_n_commits=2,

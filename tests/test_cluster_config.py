@@ -391,6 +391,7 @@ class Busy:
         return ray.get_runtime_context().get_node_id()
 
 
+@pytest.mark.slow  # ~12 s; drains in a real Ray cluster stay covered by tests/test_trainer_cluster.py and tests/test_spot_drains.py
 def test_watcher_drains_its_node_in_a_real_ray_cluster(fake_imds):
     """The script end to end: notice from the (local) metadata service, `ray drain-node` for the
     node, and Ray's GCS lists the node as draining with the notice's deadline (which elastic_ring's

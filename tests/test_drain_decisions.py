@@ -120,6 +120,20 @@ def test_saved_means_that_write_landed_not_any_write_after_the_notice():
     assert later.probe is None and later.final is None and later.need_s == pytest.approx(0.6)
 
 
+def test_a_write_whose_writer_died_is_asked_again_not_waited_for():
+    """Found by a review: a final write that started on a worker that then died was still "landing"; the leaving
+    holders left waited for it until 1 s before the deadline and went unsaved, though they could write again."""
+    log = PersistLog()
+    final = log.ask(final=True, round_id=3, now=10.0)
+    log.apply({"kind": "persist_started", "persist": final}, now=10.2, worker="w0")
+    alive = log.view(since=9.0, now=11.0, can_persist=True, working=lambda w: True)
+    dead = log.view(since=9.0, now=11.0, can_persist=True, working=lambda w: w != "w0")
+    assert not alive.final.failed and alive.final.pending(3) and dead.final.failed and not dead.final.pending(4)
+    kept = [keepers_step(keepers=1, takers=0, left_s=20.0, waited_s=1.0, limits=LIMITS, drain=view,
+                         checkpoint=True, round_id=4).step for view in (alive, dead)]
+    assert kept == [KeepersStep.WAIT, KeepersStep.PERSIST]
+
+
 def test_a_notice_seen_while_the_ring_re_forms_writes_the_state():
     """Defect 1: the only holders are leaving and the ring re-forms (a death in the drain): without a final write
     they are formed into a ring that writes it (below min_workers) or that trains on (enough of them)."""

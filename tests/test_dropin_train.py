@@ -279,3 +279,18 @@ def test_rays_fashion_mnist_example_survives_a_sigkill(ray_session, tmp_path, mo
     final = _probe_marks(str(tmp_path), "final-*.json")
     assert [m["rank"] for m in final] == [0] and final[0]["wrapped"] == "ElasticDataParallel", final
     assert final[0]["metrics"]["accuracy"] > 0.5, final  # chance is 0.1
+
+
+def test_losing_rank_0_its_only_holder_resumes_from_the_checkpoint_its_last_report_returned_with(ray_session,
+                                                                                                  tmp_path):
+    """Found by a review: report's default upload was in the background, so a rank 0 killed right after report()
+    returned left the survivors the previous checkpoint (Ray Train's default, SYNC, resumes from that report's)."""
+    from tests import dropin_jobs
+
+    log = tmp_path / "log.jsonl"
+    TorchTrainer(dropin_jobs.rank0_reports_then_dies,
+                 train_loop_config={"log": str(log), "steps": 3, "kill_after": 2, "blob_mib": 96},
+                 scaling_config=train.ScalingConfig(num_workers=2),
+                 run_config=train.RunConfig(name="r0", storage_path=str(tmp_path))).fit()
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["resumed_from"] for e in entries if e["round"] > 1] == [2], entries

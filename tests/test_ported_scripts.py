@@ -95,6 +95,7 @@ def test_horovod_elastic_mnist_port_survives_a_kill_and_a_join(ray_session):
     assert value["test_accuracy"] > 0.5, value  # chance is 0.1
 
 
+@pytest.mark.slow  # ~20 s; Ray's own scripts under a SIGKILL stay in the default suite through the drop-in (tests/test_dropin_train.py)
 def test_ray_train_fashion_mnist_port_survives_a_kill_and_a_join(ray_session, tmp_path):
     started = time.monotonic()
     epochs, train_samples, test_samples = 3, 1536, 384
@@ -143,6 +144,7 @@ def port_with_sync_reports(config):
     return ray_train_fashion_mnist.train_func_per_worker(config)
 
 
+@pytest.mark.slow  # ~14 s; resuming after the whole ring is lost stays covered by tests/test_trainer_ray.py and tests/chaos/test_compound.py
 def test_ray_train_port_resumes_from_get_checkpoint_after_every_worker_is_killed(ray_session, tmp_path):
     """Every worker is SIGKILLed at once right after epoch 0's report (its checkpoint written by rank 0, reported
     with checkpoint_upload_mode=SYNC): the run fails. The same script at the same storage path resumes from

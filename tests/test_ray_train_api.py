@@ -258,6 +258,8 @@ def test_report_then_get_checkpoint_in_one_process(tmp_path):
         second = get_checkpoint()
         assert second.path != first.path and open(os.path.join(second.path, "m.pt"), "rb").read() == b"two"
         assert get_context().get_experiment_name() == "loc" and get_context().get_storage_path() == uri
+        with pytest.raises(NotImplementedError, match=r"get_storage\(\).*get_storage_path\(\)"):
+            get_context().get_storage()   # Ray Train V2's StorageContext: named, with what to use instead
     finally:
         set_default_checkpointing(None)
 

@@ -171,6 +171,48 @@ def test_a_lease_lost_after_the_run_or_while_it_stops_is_recorded_not_raised(tmp
     lease.release()
 
 
+class _NoWatcher:
+    def __init__(self, *args) -> None: ...
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_a_run_that_finishes_with_its_lease_lost_returns_from_the_drivers_loop(tmp_path, monkeypatch):
+    """The driver's loop does not call the trainer's lease check after its last state: the trainer checks the ended
+    run itself (``ended=True``: recorded, not raised). Found by a review: the loop's own tick raised there."""
+    import queue
+
+    from ray_integration.config import TrainerConfig
+    from ray_integration.driver import loop
+
+    monkeypatch.setattr(loop, "RayWatcher", _NoWatcher)
+    uri = str(tmp_path / "ckpt")
+    lease = CheckpointLease(uri, "run-a", ttl_s=1.0).acquire()
+    os.remove(os.path.join(uri, "LEASE.lock"))
+    started = time.monotonic()
+    while lease.held and time.monotonic() - started < 5:
+        time.sleep(0.02)
+    events = EventLog(None)
+    check = LeaseCheck(lease, events)
+    driver = loop.Driver.__new__(loop.Driver)
+    driver.pool, driver.wakeups, driver.last_grace = None, queue.SimpleQueue(), float("-inf")
+    driver.limits, driver.events, driver.stop_reason, driver.round_id, driver.ring = (
+        TrainerConfig().limits, events, None, 3, None)
+    driver.advance = lambda state: Finished(7)
+
+    def on_tick(d, ended=False):   # as the trainer's
+        check(d.round_id, d.world_size, ended=ended, stopping=d.stop_reason is not None)
+
+    try:
+        assert isinstance(driver.run(on_tick), Finished)
+        on_tick(driver, ended=True)
+        assert [(e.kind, e.detail["after_the_run"]) for e in events.events] == [("lease_lost", True)]
+    finally:
+        lease.release()
+
+
 # ------------------------------------------------------------------ real Ray: a block lost on one worker
 def train_losing_a_block(config: dict):
     """``train_rows``, where rank ``rank`` of the first round finds every block it fetches after step ``step`` lost

@@ -5,6 +5,7 @@ rings and real files, no Ray)."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import time
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import elastic_ring as er
 from state import CheckpointError, ElasticSampler, TorchState, membership
 from state.checkpoints.config import CheckpointConfig
+from state.checkpoints import hooks
 from state.checkpoints.hooks import flush_checkpoints, set_checkpoint_listener
 from state.checkpoints.lease import CheckpointLease
 from state.checkpoints.store import CheckpointStore
@@ -185,6 +187,7 @@ def test_state_checkpoints_are_fenced_by_the_runs_lease_generation(solo, tmp_pat
     with pytest.raises(CheckpointError, match="no longer holds the lease"):
         state.persist_now(10)
     assert CheckpointStore(uri).complete() == [1]
+    hooks._writers.discard(state._writer)  # the run that lost its lease is over: later tests' flushes skip its writer
 
 
 def test_a_state_with_two_sampler_positions_and_an_optimizer_is_refused_by_name(solo):
@@ -199,3 +202,33 @@ def test_a_state_with_two_sampler_positions_and_an_optimizer_is_refused_by_name(
     with pytest.raises(ValueError, match="2 sampler positions"):
         state.val = ElasticSampler(6, batch_size=2)   # added later: refused the same way, at the next link
         state.sync()
+
+
+def test_a_manifest_that_cannot_be_read_for_a_moment_never_makes_the_newest_state_look_oldest(tmp_path, monkeypatch):
+    """Found by a review: a read error on a manifest (not a missing one) made its checkpoint "unordered", sorted
+    below every other: a late write of an older state then pruned the newest, and resuming passed it over."""
+    from state.checkpoints import transport
+    from state.checkpoints.lease import CheckpointLease
+    from state.checkpoints.sequenced import CheckpointPruneError
+
+    uri = str(tmp_path / "ckpt")
+    lease = CheckpointLease(uri, "run", ttl_s=30).acquire()
+    store = lambda: CheckpointStore(uri, keep_last=1, run_id="run")  # noqa: E731
+    store().save({"step": 120}, {"order": [0, 6, 120]})      # the new rank 0's write: the newest state
+    real = transport.Location.read_bytes
+
+    def blip(self, path, limit=1 << 20):
+        if path.endswith("ckpt-000000000001/MANIFEST.json"):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(self, path, limit)
+
+    try:
+        monkeypatch.setattr(transport.Location, "read_bytes", blip)
+        with pytest.raises(CheckpointPruneError):
+            store().save({"step": 100}, {"order": [0, 5, 100]})  # a leaver's late write of an older state
+        with pytest.raises(OSError, match="Input/output error"):
+            store().load_latest()   # raised (and retried by the resume), never an older state silently
+        monkeypatch.setattr(transport.Location, "read_bytes", real)
+        assert store().complete() == [2, 1] and store().load_latest()[0] == {"step": 120}
+    finally:
+        lease.release()

@@ -71,6 +71,7 @@ def test_no_capacity_before_the_deadline_resumes_from_the_drain_checkpoint_in_th
     assert result.value["identical"] and result.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
 
 
+@pytest.mark.slow  # ~14 s; a notice without spare capacity stays covered by tests/test_reclaim_ray.py
 def test_no_capacity_and_no_checkpoint_fails_saying_exactly_that(cluster, tmp_path):
     holder = two_slot_node(cluster)
     progress = tmp_path / "progress"

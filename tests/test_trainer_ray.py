@@ -29,6 +29,7 @@ def test_training_reports_metrics_and_events(ray_session):
     assert result.checkpoint is None and result.checkpoint_uri is None and result.path is None
 
 
+@pytest.mark.slow  # ~20 s; a SIGKILL and a replacement's join stay covered, with stronger checks, by tests/test_join_at_step.py
 def test_sigkilled_worker_survivors_recover_and_a_replacement_joins(ray_session, tmp_path):
     timeline_path = tmp_path / "timeline.json"
     result = ElasticTrainer(min_workers=2, max_workers=3, progress=False, timeline_path=str(timeline_path)).run(

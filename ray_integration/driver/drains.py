@@ -194,17 +194,22 @@ class PersistLog:
         return any(p.started and p.landed_at is None and not p.failed and p.writer is not None and working(p.writer)
                    for p in self.persists.values())
 
-    def view(self, since: float | None, now: float, can_persist: bool) -> DrainView:
-        """The drain that began at ``since`` (driver clock): its newest probe and final write."""
+    def view(self, since: float | None, now: float, can_persist: bool,
+             working: Callable[[str], bool] | None = None) -> DrainView:
+        """The drain that began at ``since`` (driver clock): its newest probe and final write. A write that started
+        on a writer no longer ``working`` (dead, or returned without its write landing) counts as failed: it will
+        not land, and the holders left can write again."""
         mine = [p for p in self.persists.values() if since is not None and p.asked_at >= since]
         probe = max((p for p in mine if not p.final), key=lambda p: p.persist_id, default=None)
         final = max((p for p in mine if p.final), key=lambda p: p.persist_id, default=None)
-        return DrainView(can_persist, max(self.measured) if self.measured else None, _view(probe, now),
-                         _view(final, now))
+        return DrainView(can_persist, max(self.measured) if self.measured else None, _view(probe, now, working),
+                         _view(final, now, working))
 
 
-def _view(p: _Persist | None, now: float) -> PersistView | None:
+def _view(p: _Persist | None, now: float, working: Callable[[str], bool] | None) -> PersistView | None:
     if p is None:
         return None
+    orphaned = (working is not None and p.started and p.landed_at is None and p.writer is not None
+                and not working(p.writer))
     return PersistView(p.persist_id, p.final, p.round_id, now - p.asked_at, p.started, p.landed_at is not None,
-                       p.failed)
+                       p.failed or orphaned)

@@ -117,17 +117,29 @@ class Driver:
             start_failures=tuple(StartFailure(r.worker_id, r.start_kind, r.start_error)
                                  for r in self.pool.start_failures),
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
-            ever_had_state=any(r.has_state for r in records), checkpoint=self.pool.durable_checkpoint,
+            ever_had_state=any(r.has_state for r in records), checkpoint=self.resumable_checkpoint(),
             drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis,
-            write_landing=self.pool.persists.landing(
-                lambda w: w in self.pool.records and not self.pool.records[w].dead and not self.pool.records[w].finished))
+            write_landing=self.pool.persists.landing(self._working))
+
+    def resumable_checkpoint(self) -> str | None:
+        """The newest checkpoint the job would resume from: its state's, or (``write_on_notice=False``: a Ray Train
+        script, whose state is what it reports) its newest reported one."""
+        if self.pool.durable_checkpoint is not None or self.config.write_on_notice:
+            return self.pool.durable_checkpoint
+        return self.pool.reported_checkpoint
 
     def drain_view(self, members: list[WorkerRecord], now: float) -> DrainView | None:
         """The writes asked for since the ring's current leavers began leaving (None: nobody is leaving)."""
         since = [r.leaving_since for r in members if r.leaving and not r.dead and r.leaving_since is not None]
         if not since:
             return None
-        return self.pool.persists.view(min(since), now, can_persist=self.config.checkpoint_uri is not None)
+        return self.pool.persists.view(min(since), now, can_persist=self.config.checkpoint_uri is not None
+                                      and self.config.write_on_notice, working=self._working)
+
+    def _working(self, worker_id: str) -> bool:
+        """A worker that took a write still works on it: alive and not returned."""
+        record = self.pool.records.get(worker_id)
+        return record is not None and not record.dead and not record.finished
 
     # ------------------------------------------------------------ the one place that acts
     def act(self, action: Action) -> bool:
@@ -365,7 +377,7 @@ class Driver:
                 relevant, stepped = False, now
                 self.newly_draining = ()
                 state = self.advance(state)
-                if on_tick is not None:
+                if on_tick is not None and not state.terminal:  # the caller checks the ended run itself
                     on_tick(self)
             return state
         finally:

@@ -48,6 +48,7 @@ class WorkerPool:
         self._ready_seq = itertools.count()
         self._by_ref: dict[Any, tuple[str, str]] = {}   # ObjectRef -> (worker id, "info" | "run")
         self.durable_checkpoint: str | None = None  # the newest checkpoint of the job's state (written or resumed)
+        self.reported_checkpoint: str | None = None  # the newest reported checkpoint written (a Ray Train script's)
         self.persists = PersistLog()  # the writes the driver asked for (drains), by number, from the workers' events
         self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
         self.inbox_delay_s = 0.0  # how far behind the driver reads its inbox (set by its loop: wire.InboxProbe)
@@ -262,6 +263,8 @@ class WorkerPool:
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
             if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
                 self.durable_checkpoint = msg["event"]["uri"]
+            elif msg["event"].get("kind") == "reported_checkpoint_written" and isinstance(msg["event"].get("uri"), str):
+                self.reported_checkpoint = msg["event"]["uri"]
             self.persists.apply(msg["event"], now, record.worker_id)
         return True
 

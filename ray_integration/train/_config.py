@@ -228,6 +228,9 @@ def translate_dropin(scaling_config: Any = None, run_config: Any = None) -> tupl
     if "://" not in storage:  # a local path: absolute on the driver, as Ray Train resolves it
         storage = os.path.abspath(os.path.expanduser(storage))
     out["checkpoint_uri"] = (f"{storage.rstrip('/')}/{run_config.name}", "run_config (storage_path/name)")
+    # Ray Train's state is the checkpoints the script reports: at a preemption notice the leavers hand the ring over
+    # at the next report, or go, and the job resumes from the newest reported checkpoint (no just-in-time write).
+    out["write_on_notice"] = (False, "TorchTrainer (a Ray Train script's state is its reported checkpoints)")
     _run_options(run_config, out)
     failure = run_config.failure_config
     k = failure.max_failures if failure is not None else _RAY_DEFAULT_MAX_FAILURES

@@ -52,6 +52,12 @@ class TrainContext:
     def get_trial_dir(self) -> None:
         _deprecated("get_trial_dir", "get_storage_path()")
 
+    def get_storage(self) -> None:
+        """Ray Train V2's ``get_storage()`` (a ``StorageContext``, Ray's developer API) has no equivalent here."""
+        raise NotImplementedError("TrainContext.get_storage() (Ray Train's StorageContext) is not available here: "
+                                  "get_context().get_storage_path() is the run's location (storage_path/name), and "
+                                  "get_checkpoint() / report(checkpoint=...) read and write checkpoints there")
+
     def get_storage_path(self) -> str | None:
         """The run's location (``storage_path/name``), or None."""
         config = default_config()

@@ -98,6 +98,7 @@ class Session:
         self.failures = 0           # failures of the run so far, as Ray counts them (one per failed ring)
         self.entering = True        # the training function is not running on this rank (it enters next)
         self.all_entering = True    # every rank of the current ring enters the function (no inner loop runs)
+        self.warned_no_checkpoint = False  # a joiner waited at a report without a checkpoint (warned once)
         self.checkpoint: Any = None  # what get_checkpoint() returns now
 
     # ---------------------------------------------------------------- after every new ring
@@ -143,7 +144,10 @@ class Session:
             self._hand_out(None)
             return
         found = _fetch_reported(config.uri, config.signing_key, seq, cache=True)
-        assert found is not None
+        if found is None:  # pruned (num_to_keep) between rank 0's choice and this read: a lost worker, replaced
+            raise state_pkg.CheckpointError(
+                f"reported checkpoint {seq} at {config.uri}, chosen to resume from, was gone when this rank read it "
+                "(pruned meanwhile?): keep more reported checkpoints (CheckpointConfig(num_to_keep=...)) if this recurs")
         self._hand_out(found[1])
         if self.newest >= 0:
             _log.warning("the newest reported checkpoint (report %d) was held only by lost workers; resuming from "
@@ -180,6 +184,11 @@ class Session:
         """After the report's collective: leave for a stop, re-form for a drain, or for a join at a report that
         carried a checkpoint (every rank resumes from it); else go on."""
         change, persist, stop = notices
+        if change and not (stop or persist or has_checkpoint) and not self.warned_no_checkpoint:
+            self.warned_no_checkpoint = True  # once per process: the joiner waits for a report with a checkpoint
+            _log.warning("a worker waits to join the ring, but this report carries no checkpoint: joiners and "
+                         "replacements enter only at a report with a checkpoint (every rank resumes from it); "
+                         "report(metrics, checkpoint=...) now and then, or the run stays at its current size")
         if not (stop or persist or (change and has_checkpoint)):
             return
         membership.clear_membership_change()

@@ -47,9 +47,10 @@ def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: str | Non
     reach ``Result.metrics`` / ``metrics_history``. ``checkpoint``: a ``ray.train.Checkpoint`` of a local directory
     (``Checkpoint.from_directory(d)``), copied now and uploaded by rank 0 in the background (``d`` may be deleted
     or reused as soon as this returns); needs the run's location (``RunConfig(storage_path=..., name=...)`` or
-    ``checkpoint_uri``). ``checkpoint_upload_mode``: None or ``ray.train.CheckpointUploadMode.ASYNC`` (the
-    background upload), or ``SYNC``: rank 0 returns once the upload is durable (the other ranks do not wait for
-    it: their next collective does, up to its timeout). ``checkpoint_dir_name`` is accepted and not used (reported
+    ``checkpoint_uri``). ``checkpoint_upload_mode``: ``ray.train.CheckpointUploadMode.ASYNC`` (the background
+    upload), or ``SYNC``: rank 0 returns once the upload is durable (the other ranks do not wait for it: their next
+    collective does, up to its timeout); None is ``SYNC`` under the drop-in ``TorchTrainer`` (Ray Train's default)
+    and ``ASYNC`` under ``ElasticTrainer``. ``checkpoint_dir_name`` is accepted and not used (reported
     checkpoints are numbered ``ckpt-<n>``); ``delete_local_checkpoint_after_upload`` (Ray's default: with ``ASYNC``)
     deletes ``d`` once it is copied. Raises :class:`state.CheckpointError` after repeated failed uploads, or when a
     ``SYNC`` upload fails.
@@ -58,7 +59,10 @@ def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: str | Non
     and the report is a small collective of every rank, as Ray's is a barrier: call it the same number of times on
     every rank; a joiner enters at the next report that carries a checkpoint (:mod:`._dropin`)."""
     metrics = _checked_metrics(metrics)
-    sync = _sync_mode(checkpoint_upload_mode)
+    session = _dropin.current()
+    # Ray Train's default (None) is SYNC: under the drop-in the newest reported checkpoint is durable once report()
+    # returns, as Ray's, so a lost rank 0 (often its only holder) costs no reported step
+    sync = _sync_mode(checkpoint_upload_mode) or checkpoint_upload_mode is None and session is not None
     delete = _refuse_or_delete(checkpoint, checkpoint_dir_name, checkpoint_upload_mode,
                                delete_local_checkpoint_after_upload, checkpoint_upload_fn, validation)
     directory = _local_directory(checkpoint) if checkpoint is not None else None
@@ -66,7 +70,6 @@ def report(metrics: dict, checkpoint: Any = None, checkpoint_dir_name: str | Non
     if directory is not None and config is None:
         raise ValueError("report(metrics, checkpoint=...) needs a location for checkpoints: give the trainer "
                          "run_config=RunConfig(storage_path=..., name=...) or checkpoint_uri=...")
-    session = _dropin.current()
     agreed = session.report(directory) if session is not None else None
     if directory is not None:
         rank = _rank()
@@ -114,7 +117,7 @@ def _sync_mode(mode: Any) -> bool:
     if isinstance(name, str) and name.upper() == "SYNC":
         return True
     raise ValueError(f"report(checkpoint_upload_mode={mode!r}) is not supported: use None or "
-                     "ray.train.CheckpointUploadMode.ASYNC (the background upload, the default here) or SYNC (rank 0 "
+                     "ray.train.CheckpointUploadMode.ASYNC (the background upload; the default under ElasticTrainer) or SYNC (rank 0 "
                      "waits for it); a checkpoint already in the run's storage (NO_UPLOAD) cannot be reported")
 
 

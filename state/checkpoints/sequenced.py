@@ -137,11 +137,13 @@ class SequencedWriter:
         return [e.seq for e in by_age(self.entries())]
 
     def _small_json(self, seq: int, name: str) -> dict | None:
-        """Checkpoint ``seq``'s manifest or claim as a dict, or None when it is missing or unreadable (an old or
-        torn directory, one pruned meanwhile: it belongs to no run we know and has no order)."""
+        """Checkpoint ``seq``'s manifest or claim as a dict, or None when it is missing or not JSON (an old or torn
+        directory, one pruned meanwhile: it belongs to no run we know and has no order). Any other error of the
+        storage is raised: an entry read as "no order" sorts below every ordered one, so a read that failed for a
+        moment must never make the newest state look oldest (and be pruned or passed over)."""
         try:
             value = json.loads(self.loc.read_bytes(f"{self.dir(seq)}/{name}", self.kind.manifest_limit))
-        except (OSError, ValueError):
+        except (FileNotFoundError, ValueError):
             return None
         return value if isinstance(value, dict) else None
 

@@ -28,6 +28,7 @@ def test_commit_on_only_some_ranks_is_a_clear_error_on_every_rank(ray_session):
     assert "allreduce" in str(info.value)  # names what the other rank called instead
 
 
+@pytest.mark.slow  # ~14 s; the commit_overdue decision and its advice stay covered by tests/test_driver_states.py
 def test_fn_that_never_commits_finishes_and_is_told_to_commit(ray_session, monkeypatch):
     monkeypatch.setattr(driver_mod, "COMMIT_OVERDUE_S", 1.0)
     result = ElasticTrainer(min_workers=1, max_workers=3, progress=False).run(

@@ -174,12 +174,13 @@ def _run_storm(slot_cluster, tmp_path, events, seed, time_bound_s, clock_skew_s,
     return result
 
 
-@pytest.mark.slow  # 30 s; the spot storm below stays in the default suite (kills in a sync and joins have their own tests)
 def test_fast_storm(slot_cluster, tmp_path):
     run_storm(slot_cluster, tmp_path, seed=607, count=3, time_bound_s=150,   # kill_in_sync, node_removed, node_added
               kinds=storm.CLASSIC_KINDS)
 
 
+@pytest.mark.slow  # ~70 s; each of its events has its own default test (tests/test_spot_drains.py, test_compound.py,
+# test_storage_faults.py, test_driver_stall.py), and test_fast_storm keeps a storm in the default suite
 def test_fast_spot_storm(slot_cluster, tmp_path):
     # a drain of every holder, a death during a formation, a storage blip, a driver stall
     run_storm(slot_cluster, tmp_path, seed=405, count=4, time_bound_s=180, kinds=storm.CLASSIC_KINDS)
