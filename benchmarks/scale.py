@@ -7,8 +7,17 @@ included), then re-form it ``--reforms`` times in the same processes (each
 is what survivors do after a failure or a membership change). Each time is
 measured from the moment the store releases every process (as a driver does
 when it hands out a ring) until the last rank has formed, followed by one
-barrier on the new ring. Prints the medians per world size and the least-
-squares slope in milliseconds per rank.
+barrier on the new ring. Prints the medians per world size, the least-
+squares slope in milliseconds per rank, and the fitted exponent ``k`` of
+``re-form ≈ c · world^k`` (log-log least squares over the worlds of 8 ranks and
+more, where the fixed costs no longer dominate; all worlds when fewer are given).
+``--pairs eager lazy`` forms each world's rings both ways in the same run, one
+mode after the other (``ELASTIC_RING_GLOO_LAZY``: gloo's full mesh at
+construction, or pairs connected at first use; docs/performance.md), and prints
+their ratio. The ranks are processes forked from a forkserver that preloaded
+torch (each costs a few MiB, so 64 fit on this VM); a fresh rank's first store
+connection may stall 5 s on this VM's reverse DNS (docs/performance.md), which
+only the first ring can show.
 
 Part 2 (Ray, ``ElasticTrainer``): ``world`` workers train a small MLP; one
 SIGKILLs itself at step 20. Recovery is the time from the kill to the
@@ -20,6 +29,7 @@ every process shares two cores, so large worlds measure CPU contention as
 much as the protocol: read the slope as an upper bound.
 
     python -m benchmarks.scale [--worlds 2 4 8 16 32] [--reforms 3] [--recovery-worlds 2 4 6 8] [--skip-recovery]
+                               [--pairs eager lazy] [--no-png]
 
 ``--backend nccl`` runs part 1 only, with every rank on GPU 0 (NCCL's socket transport on loopback,
 ``elastic_ring.backends.nccl.communicator.shared_gpu_env``), and prints the table without drawing: one GPU time-slices its
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import pathlib
@@ -56,10 +67,15 @@ KILL_STEP = 20
 
 # ---------------------------------------------------------------- part 1: form and re-form
 
-def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int, queue, backend: str) -> None:
+def _member(rank: int, world: int, port: int, secret: bytes | None, rounds: int, queue, backend: str,
+            pairs: str | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     extra = backend_fields(backend, rank)
     torch.set_num_threads(1)
+    if pairs is not None:  # the same switch as ELASTIC_RING_GLOO_LAZY, read when a ring forms
+        from elastic_ring.core import constants
+
+        constants.GLOO_LAZY_PAIRS = pairs == "lazy"
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
         formed = []
@@ -88,17 +104,26 @@ def _wait_count(store: dist.TCPStore, key: str, n: int, deadline: float, what: s
         time.sleep(0.001)
 
 
-def form_times(world: int, reforms: int, timeout_s: float = 600.0, backend: str = "gloo") -> tuple[float, list[float]]:
-    """Seconds to form the first ring of ``world`` fresh processes, and each re-form after it."""
-    # spawn, not a forkserver with torch preloaded: children forked from a process that imported torch
-    # stall ~5 s on some connections at 16+ ranks (measured), which real workers (Ray actors) never do
-    ctx = mp.get_context("spawn")
+def _context() -> "mp.context.BaseContext":
+    """A forkserver that imported torch and elastic_ring once: its children share those pages (64 spawned ranks
+    would each import torch, ~150 MiB and seconds of CPU apiece on this 2-core VM)."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # a rank waiting for the release warns every second
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "elastic_ring", __name__])
+    return ctx
+
+
+def form_times(world: int, reforms: int, timeout_s: float = 600.0, backend: str = "gloo",
+               pairs: str | None = None) -> tuple[float, list[float]]:
+    """Seconds to form the first ring of ``world`` fresh processes, and each re-form after it. ``pairs``:
+    ``"eager"`` or ``"lazy"`` gloo pairs (None: the default of the code under test)."""
+    ctx = _context() if backend == "gloo" else mp.get_context("spawn")  # NCCL: no CUDA state before the fork
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     queue = ctx.Queue()
     rounds = reforms + 1
     secret = new_secret()
-    procs = [ctx.Process(target=_member, args=(r, world, store.port, secret, rounds, queue, backend), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_member, args=(r, world, store.port, secret, rounds, queue, backend, pairs),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -128,6 +153,34 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return my - b * mx, b
+
+
+#: The exponent is fitted over worlds of at least this many ranks (below, fixed costs flatten the curve).
+EXPONENT_FROM = 8
+
+
+def power_fit(xs: list[float], ys: list[float], start: float = EXPONENT_FROM) -> tuple[float, float, list[float]]:
+    """``y ≈ c · x^k`` by least squares on logarithms, over the points with ``x >= start`` (all points when
+    fewer than two are); returns (c, k, the xs used). Every y must be positive."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"power_fit needs two or more (x, y) points, got {len(xs)} xs and {len(ys)} ys")
+    if any(x <= 0 for x in xs) or any(y <= 0 for y in ys):
+        raise ValueError("power_fit needs positive xs and ys (it fits their logarithms)")
+    chosen = [(x, y) for x, y in zip(xs, ys) if x >= start]
+    if len({x for x, _ in chosen}) < 2:
+        chosen = list(zip(xs, ys))
+    if len({x for x, _ in chosen}) < 2:
+        raise ValueError("power_fit needs two or more distinct xs")
+    a, k = fit([math.log(x) for x, _ in chosen], [math.log(y) for _, y in chosen])
+    return math.exp(a), k, [x for x, _ in chosen]
+
+
+def curve(name: str, worlds: list[int], times: list[float]) -> str:
+    """One line: the linear slope and the fitted exponent of ``times`` against ``worlds``."""
+    _, slope = fit(worlds, times)
+    c, k, used = power_fit(worlds, times)
+    return (f"{name}: {slope * 1e3:.1f} ms/rank (least squares), exponent {k:.2f} "
+            f"(≈ {c * 1e3:.3g} ms · ranks^{k:.2f}, fitted on {used[0]}–{used[-1]} ranks)")
 
 
 # ---------------------------------------------------------------- part 2: recovery with Ray
@@ -231,10 +284,13 @@ def main() -> None:
     parser.add_argument("--replot", metavar="JSON", help="only redraw --png from the numbers a previous run saved")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="nccl: part 1 only, every rank on GPU 0; prints, does not draw")
+    parser.add_argument("--pairs", nargs="+", choices=("eager", "lazy"),
+                        help="gloo pairs to measure, one mode after the other for each world (default: the code's)")
+    parser.add_argument("--no-png", action="store_true", help="print only: do not draw --png or write its JSON")
     args = parser.parse_args()
     if args.backend == "nccl":
         require_nccl(benchmark="benchmarks.scale", why="--backend nccl", skip="--backend gloo")
-    else:
+    elif not args.no_png:
         require("matplotlib", benchmark="benchmarks.scale", why=f"drawing {args.png}", install=INSTALL["matplotlib"])
     if args.replot:
         draw(pathlib.Path(args.png), json.loads(pathlib.Path(args.replot).read_text()))
@@ -243,23 +299,33 @@ def main() -> None:
     if any(w < 2 for w in args.worlds + args.recovery_worlds):
         parser.error("world sizes must be >= 2")
 
-    first, reform = [], []
-    print(f"{'ranks':>5} {'first ring s':>13} {'re-form s (median)':>19} {'re-forms':>30}", flush=True)
+    modes: list[str | None] = list(args.pairs) if args.pairs and args.backend == "gloo" else [None]
+    first: dict[str | None, list[float]] = {m: [] for m in modes}
+    reform: dict[str | None, list[float]] = {m: [] for m in modes}
+    print(f"load average {os.getloadavg()[0]:.1f} before part 1", flush=True)
+    print(f"{'ranks':>5} {'pairs':>7} {'first ring s':>13} {'re-form s (median)':>19}  re-forms", flush=True)
     for world in args.worlds:
-        f, rs = form_times(world, args.reforms, backend=args.backend)
-        first.append(f)
-        reform.append(statistics.median(rs))
-        print(f"{world:>5} {f:>13.3f} {reform[-1]:>19.3f} {' '.join(f'{r:.3f}' for r in rs):>30}", flush=True)
-    fit_first, fit_reform = fit(args.worlds, first), fit(args.worlds, reform)
-    print(f"least-squares slope: first ring {fit_first[1] * 1e3:.1f} ms/rank, re-form {fit_reform[1] * 1e3:.1f} ms/rank "
-          f"(intercepts {fit_first[0]:.3f} s, {fit_reform[0]:.3f} s); re-form at {args.worlds[-1]} ranks is "
-          f"{reform[-1] / reform[0]:.1f}x the one at {args.worlds[0]}")
+        for mode in modes:
+            f, rs = form_times(world, args.reforms, backend=args.backend, pairs=mode)
+            first[mode].append(f)
+            reform[mode].append(statistics.median(rs))
+            print(f"{world:>5} {mode or 'default':>7} {f:>13.3f} {reform[mode][-1]:>19.4f}  "
+                  f"{' '.join(f'{r:.4f}' for r in rs)}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} after part 1", flush=True)
+    for mode in modes:
+        label = f" ({mode} pairs)" if mode else ""
+        print(curve(f"re-form{label}", args.worlds, reform[mode]), flush=True)
+        print(curve(f"first ring{label}", args.worlds, first[mode]), flush=True)
+    if len(modes) == 2:
+        a, b = modes
+        print(f"re-form {a}/{b} at {args.worlds[-1]} ranks: {reform[a][-1] / reform[b][-1]:.1f}x", flush=True)
+    shown = modes[-1]
 
     if args.backend == "nccl":
         print(f"NCCL on one GPU ({torch.cuda.get_device_name(0)}), every rank on device 0; not drawn")
         return
     recovery: dict[int, float] = {}
-    data = {"worlds": args.worlds, "first": first, "reform": reform, "recovery": recovery}
+    data = {"worlds": args.worlds, "first": first[shown], "reform": reform[shown], "recovery": recovery}
     saved = pathlib.Path(args.png).with_suffix(".json")
 
     def measured() -> None:  # printed, not saved: a partial run must not replace the last whole one's JSON
@@ -282,6 +348,8 @@ def main() -> None:
                 ray.shutdown()
         a, b = fit(list(recovery), list(recovery.values()))
         print(f"recovery slope: {b * 1e3:.1f} ms/worker (intercept {a:.3f} s)")
+    if args.no_png:
+        return
     saved.write_text(json.dumps(data, indent=1))
     draw(pathlib.Path(args.png), data)
     print(f"wrote {args.png} and {saved}")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
+from elastic_ring.backends import gloo
 from elastic_ring.ring.store import StoreServer
 from elastic_ring.collectives import objects as object_collectives
 from elastic_ring.ring import runtime
@@ -101,7 +102,8 @@ def test_a_ring_forms_over_forged_rendezvous_keys(ring):
     rogue = dist.TCPStore("127.0.0.1", ring.address.port, is_master=False, wait_for_workers=False)
     round_id = ring.next_round() + 1
     for rank in range(2):
-        rogue.set(f"elastic_ring/round{round_id}/gloo//0/{rank}", b"\x80\x04forged")
+        for prefix in (gloo.EAGER_PREFIX, gloo.LAZY_PREFIX):  # a full mesh's keys and lazy pairs' keys
+            rogue.set(f"elastic_ring/round{round_id}/{prefix}/0/{rank}", b"\x80\x04forged")
     ring._round = round_id - 1
     assert ring.run(_sum_of_ranks, world_size=2) == [1.0, 1.0]
 

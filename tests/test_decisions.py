@@ -34,6 +34,9 @@ LIMITS = TrainerConfig(min_workers=2, max_workers=4, heartbeat_interval_s=0.5, h
 def test_kill_cause(member, failure_age_s, expected):
     kill = decisions.kill_cause(member, LIMITS, failure_age_s)
     assert (kill is None) == (expected is None), kill
+    if kill:  # the driver looks only at workers silent past silence_limit_s, unless the stuck rule applies
+        assert decisions.stuck_rule_applies(LIMITS, failure_age_s) or \
+            member.silent_s > decisions.silence_limit_s(LIMITS, failure_age_s)
     if expected:
         assert expected in kill.cause
         # a verdict from silence is confirmed through Ray first; "stuck" is not about silence

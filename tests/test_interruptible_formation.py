@@ -10,6 +10,7 @@ from a Ray method thread. Latencies are measured inside each worker, from the
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import signal
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import elastic_ring as er
-from elastic_ring.backends import formation
+from elastic_ring.backends import arrival, formation
+from elastic_ring.core import constants
 from elastic_ring.core.auth import AuthenticatedStore
 from elastic_ring.ring import runtime
 from tests.process_ring import TEST_SECRET
@@ -96,8 +98,13 @@ def _form_without_rank_2(port: int, victim: str, n: int, m: int) -> dict | str:
     if rank == 2:
         if victim == "dies_after_arrival":  # arrives, then dies before gloo's address exchange
             store = AuthenticatedStore(_client(port), TEST_SECRET)
-            store.set(formation.arrival_key(_spec(port, n, 2, 3), 2), b"1")
+            arrival.announce_arrival(store, _spec(port, n, 2, 3))
             os.kill(os.getpid(), signal.SIGKILL)
+        if victim == "dies_before_its_first_collective":  # arrives, publishes its gloo address, then dies
+            from elastic_ring.backends import gloo
+
+            gloo._connect_pairs = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+            er.init(_spec(port, n, 2, 3, connect_timeout_s=30.0))
         return "never arrived"
     box, listener = _listen_for_abort(port, f"test-abort/{n}")
     started = time.monotonic()
@@ -116,12 +123,14 @@ def _form_without_rank_2(port: int, victim: str, n: int, m: int) -> dict | str:
                 reform_s=time.monotonic() - reform_started, total=total, world=er.size(), round=er.round_id())
 
 
-@pytest.mark.parametrize("victim", ["never_arrives", "dies_after_arrival"])
+@pytest.mark.parametrize("victim", ["never_arrives", "dies_after_arrival", "dies_before_its_first_collective"])
 def test_abort_round_interrupts_a_formation_missing_a_member(ring, victim):
+    if victim == "dies_before_its_first_collective" and not constants.GLOO_LAZY_PAIRS:
+        pytest.skip("a full mesh has no first collective to die before (ELASTIC_RING_GLOO_LAZY=0)")
     pending, _, (n, m) = _start(ring, _form_without_rank_2, ring.address.port, victim, world_size=3, own_rounds=2)
-    arrived = [f"elastic_ring/round{n}/arrived/{r}" for r in range(3 if victim == "dies_after_arrival" else 2)]
+    arrived = [f"elastic_ring/round{n}/arrived/{r}" for r in range(2 if victim == "never_arrives" else 3)]
     _wait_keys(ring.store, arrived)
-    time.sleep(0.5)  # the survivors are blocked forming round n (the barrier, or gloo's address exchange)
+    time.sleep(0.5)  # the survivors are blocked forming round n (the barrier, gloo's address exchange or pairs)
     _publish_abort(ring.store, n, "worker w2 died")
     results = pending.results(timeout_s=15, raise_errors=False)
     _report(f"formation ({victim})", results[:2])
@@ -129,11 +138,15 @@ def test_abort_round_interrupts_a_formation_missing_a_member(ring, victim):
         assert isinstance(r, dict), f"rank {rank}: {r}"
         assert r["latency_s"] < ABORT_LATENCY_S, r
         assert r["forming_s"] < 5, r
-        assert f"round {n}" in r["message"] and "worker w2 died" in r["message"], r["message"]
-        if victim == "never_arrives":
-            assert "rank(s) 2 of 3 had not arrived" in r["message"], r["message"]
+        if victim == "dies_before_its_first_collective" and "worker w2 died" not in r["message"]:
+            # it connected to the dead rank itself (connection refused or reset) and failed before the abort
+            assert f"could not form the gloo ring of round {n}" in r["message"], r["message"]
         else:
-            assert "every rank had arrived" in r["message"], r["message"]
+            assert f"round {n}" in r["message"] and "worker w2 died" in r["message"], r["message"]
+            if victim == "never_arrives":
+                assert "rank(s) 2 of 3 had not arrived" in r["message"], r["message"]
+            else:  # (dies_before_its_first_collective: its address was published, the pairs were next)
+                assert "every rank had arrived" in r["message"], r["message"]
         assert r["world"] == 2 and r["round"] == m and r["total"] == [3.0] * 4, r
         assert r["reform_s"] < 5, r  # a fresh store connection: the abandoned helper may still hold the old one
     if victim == "never_arrives":
@@ -295,7 +308,7 @@ def test_nccl_ranks_waiting_for_the_unique_id_stop_when_the_round_is_aborted():
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     spec = _spec(server.port, 1, 1, 2, job_id="nccl-unique-id", backend="nccl", connect_timeout_s=30.0)
     store = AuthenticatedStore(_client(server.port), TEST_SECRET)
-    store.set(formation.arrival_key(spec, 0), b"1")  # rank 0 arrived, then died
+    arrival.announce_arrival(store, dataclasses.replace(spec, rank=0))  # rank 0 arrived, then died
     form = formation.Formation(spec, store)
     comm = object.__new__(NcclCommunicator)  # only its unique-id exchange runs: it needs no CUDA
     Communicator.__init__(comm, spec)

@@ -276,7 +276,7 @@ ACTOR_MAKER = "ray_integration.driver.pool"
 #: The driver's states decide; the loop acts. These modules never import the loop or the pool (nor the watcher,
 #: the mailroom: anything that touches Ray or the workers).
 DECIDING = ("ray_integration.driver.states", "ray_integration.driver.context", "ray_integration.driver.decisions",
-            "ray_integration.driver.formation")
+            "ray_integration.driver.formation", "ray_integration.driver.pacing")
 ACTING = {"ray_integration.driver.loop", "ray_integration.driver.pool", "ray_integration.driver.watcher",
           "ray_integration.driver.mailroom"}
 

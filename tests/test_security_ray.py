@@ -108,7 +108,8 @@ class Rogue:
                 self.jobs.add(job)
                 for ahead in range(1, 4):  # the next rounds' rendezvous keys, before their owners write them
                     for rank in range(4):
-                        client.set(f"{job}/round{round_id + ahead}/gloo//0/{rank}", self.payload)
+                        for gloo_keys in ("gloo/", "gloo-lazy/"):  # a full mesh's, lazy pairs'
+                            client.set(f"{job}/round{round_id + ahead}/{gloo_keys}/0/{rank}", self.payload)
                     client.set(f"{job}/round{round_id + ahead}/nccl/unique_id", self.payload)
         for job in self.jobs:
             client.queue_push(f"{job}/driver", self.payload)

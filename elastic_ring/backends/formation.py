@@ -8,8 +8,8 @@ after publishing its address); NCCL's ranks wait for rank 0's unique id. When
 the driver already knows that a member of the round is lost, that wait is pure
 loss. A :class:`Formation`:
 
-1. **Arrival barrier.** Each rank sets ``{job}/round{n}/arrived/{rank}`` and
-   waits until all ``world_size`` ranks have, before the backend group is built,
+1. **Arrival barrier** (:mod:`.arrival`: each rank's key, a counter, one
+   ``all_arrived`` key to wait for). The backend group is built only after it,
    so a rank that never comes is named in the error and no backend state exists
    when the wait is given up.
 2. **Abandonable construction.** The barrier wait and the backend's construction
@@ -33,9 +33,12 @@ timeouts). While it runs it may hold its store connection's lock:
 :attr:`Formation.store_held` tells the runtime to open a new connection for the
 next round. At exit, helpers still running get ``EXIT_DRAIN_S``.
 
-Arrival keys are existence hints, never data: a forged one can only end the
-barrier early; what the backend reads next (gloo's addresses, NCCL's unique id)
-stays authenticated. Errors name the round, the ranks that had not arrived
+Arrival keys and the counter are existence hints (:mod:`.arrival`); what the
+backend reads next (gloo's addresses, NCCL's unique id) stays authenticated. A
+stranger who overwrites the counter with something that is not a number fails
+that round (the server drops the adding rank's connection: :class:`CommError`,
+and :attr:`Formation.store_broken` tells the runtime to open a new one).
+Errors name the round, the ranks that had not arrived
 (learnt on a fresh connection within ``DIAGNOSE_S``) and the cause: the driver's
 reason, or ``connect_timeout_s``.
 """
@@ -54,12 +57,12 @@ import torch.distributed as dist
 from ..core.errors import CommError
 from ..core.log import get_logger
 from ..core.spec import RingSpec
+from .arrival import _first_line, absent_ranks, all_arrived_key, announce_arrival
 
 _log = get_logger(__name__)
 
 T = TypeVar("T")
 
-ARRIVED = "arrived/"
 #: How long the caller waits past the connect deadline for the helper's own timeout error before it abandons it.
 ABANDON_GRACE_S = 1.0
 #: How long an error path may spend learning which ranks did not arrive (on a fresh store connection).
@@ -91,10 +94,6 @@ def _drain_at_exit() -> None:
 atexit.register(_drain_at_exit)
 
 
-def arrival_key(spec: RingSpec, rank: int) -> str:
-    return f"{spec.store_prefix}{ARRIVED}{rank}"
-
-
 class _Outcome:
     __slots__ = ("done", "result", "error", "phase")
 
@@ -118,6 +117,8 @@ class Formation(Generic[T]):
         self._hooks: list[Callable[[str], None]] = []
         self._running = False  # a helper thread has not finished
         self._announced = False
+        self._released = False  # this rank's arrival completed the barrier
+        self.store_broken = False  # the store connection failed: the runtime must not reuse it
         self._finished = threading.Event()  # the helper ended
         self._abandoned = False
         self._outcome = _Outcome()
@@ -237,6 +238,8 @@ class Formation(Generic[T]):
                 result = build(max(self.remaining_s(), 0.001))
             except Exception as exc:  # noqa: BLE001 - handed to the caller (or logged if it gave up)
                 error = exc
+                if isinstance(exc, dist.DistNetworkError) and outcome.phase == "arrival":
+                    self.store_broken = True  # the barrier's connection failed: the next round opens another
             with self._lock:
                 abandoned = self._abandoned
                 if not abandoned:
@@ -275,14 +278,17 @@ class Formation(Generic[T]):
     def announce(self) -> None:
         """Announce this rank's arrival in the round (idempotent; :meth:`run` does it)."""
         if not self._announced:
-            self._store.set(arrival_key(self.spec, self.spec.rank), b"1")
+            try:
+                self._released = announce_arrival(self._store, self.spec)
+            except CommError:
+                self.store_broken = True
+                raise
             self._announced = True
 
     def _arrive(self) -> None:
-        spec = self.spec
         self.announce()
-        keys = [arrival_key(spec, r) for r in range(spec.world_size)]
-        _interruptible_wait(self._store, keys, max(self.remaining_s(), 0.001), self)
+        if not self._released:  # the last rank to arrive has nothing to wait for
+            _interruptible_wait(self._store, [all_arrived_key(self.spec)], max(self.remaining_s(), 0.001), self)
 
     # ------------------------------------------------------------ errors
     def _missing(self) -> str:
@@ -297,7 +303,7 @@ class Formation(Generic[T]):
                 return
             conn = clone()
             conn.set_timeout(datetime.timedelta(seconds=DIAGNOSE_S))
-            found.append([r for r in range(spec.world_size) if not conn.check([arrival_key(spec, r)])])
+            found.append(absent_ranks(conn, spec, MAX_NAMED + 1))
 
         def guarded() -> None:
             try:
@@ -338,11 +344,6 @@ class Formation(Generic[T]):
                              f"{self._missing()}")
         return CommError(f"[{spec.identity}] could not form the {what} of round {spec.round_id} within "
                          f"connect_timeout_s={spec.connect_timeout_s}: {type(error).__name__}: {_first_line(error)}")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _interruptible_wait(store: Any, keys: Sequence[str], timeout_s: float, formation: Formation) -> None:

@@ -221,8 +221,8 @@ def _form_from(spec: RingSpec, key: _JobKey, parent: Communicator | None) -> Com
     try:
         comm = _create(spec, store, formation, parent)
     except BaseException:
-        if formation.store_held and _stores.get(spec.store) is client:
-            # an abandoned helper may hold this connection's lock until its own deadline
+        if (formation.store_held or formation.store_broken) and _stores.get(spec.store) is client:
+            # an abandoned helper may hold this connection's lock until its own deadline; or it broke
             del _stores[spec.store]
         raise
     finally:

@@ -4,8 +4,9 @@ A state reads a :class:`Context`: what the driver knows now, as typed, read-only
 records (the ring's members as :class:`~.decisions.MemberView`, the joiners, the
 stop requests, the run's failures). It answers with *actions*: the small data
 classes below, each one thing for the loop to do. The loop does it and shows the
-state a fresh Context, so a state always decides on the world as its last
-action left it. Neither side reaches into the other: the states never see the
+state a fresh Context when the action changed anything a Context shows (else
+the same one), so a state always decides on the world as its last action left
+it. Neither side reaches into the other: the states never see the
 loop, the pool or Ray, and the loop never decides.
 """
 

@@ -65,6 +65,16 @@ def kill_cause(m: MemberView, limits: Limits, failure_age_s: float | None) -> Ki
     return None
 
 
+def silence_limit_s(limits: Limits, failure_age_s: float | None) -> float:
+    """The shortest silence for which :func:`kill_cause` condemns (else only :func:`stuck_rule_applies`)."""
+    return limits.heartbeat_timeout_s if failure_age_s is None else min(limits.suspect_after_s, limits.heartbeat_timeout_s)
+
+
+def stuck_rule_applies(limits: Limits, failure_age_s: float | None) -> bool:
+    """Whether :func:`kill_cause` may condemn a member that heartbeats (stuck in user code)."""
+    return failure_age_s is not None and failure_age_s > limits.stuck_after_s
+
+
 class Probe(enum.Enum):
     """What Ray said when the driver asked a silent worker's actor to answer (within ``PROBE_S``)."""
 

@@ -1,10 +1,13 @@
 """The membership driver: the loop that steps the states (:mod:`.states`) and the one place that acts.
 
-Each tick the loop shows the current state a :class:`~.context.Context` of what
+Each step the loop shows the current state a :class:`~.context.Context` of what
 it knows, and does each action the state asks for (:meth:`Driver.act`), showing
 it a fresh Context after each; the state then names the next state. The loop
 wakes on every worker message and every Ray completion (no polling of the
-store), and at least every :data:`TICK_S` for its timers. Every time is the
+store) and applies it to its worker's record at once; the state steps at once
+when something that may change a decision arrived (:mod:`.pacing`), else every
+:data:`TICK_S` for its timers (a heartbeat that only advanced a counter waits
+for the tick: a step costs O(members)). Every time is the
 driver's own monotonic clock; when the loop itself did not run for a while (a GC
 pause, a stopped or starved process), every worker gets a fresh grace
 (:func:`decisions.driver_stalled`): their silence was the driver's.
@@ -16,12 +19,11 @@ import queue
 import time
 from typing import Any, Callable
 
-import ray
-
 import elastic_ring as er
 
 from ..config import TrainerConfig
-from . import decisions
+from ..wire.channel import InboxProbe
+from . import decisions, pacing
 from .context import (
     AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent,
     Notify, PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
@@ -30,8 +32,9 @@ from .decisions import Kill, Verdict
 from .drains import DrainView
 from .events import EventLog
 from .formation import Member, Ring, form_ring, parent_ranks
-from .pool import WorkerPool, WorkerRecord
+from .pool import WorkerPool
 from .preemption import Preemption
+from .records import WorkerRecord
 from .states import DriverState, Starting
 from .watcher import RayWatcher
 
@@ -63,6 +66,9 @@ class Driver:
         self.start_diagnosis: str | None = None
         self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
         self.preemption = Preemption()         # what the ring's members were last told of their nodes' drains
+        # how far behind this loop reads its inbox: the workers' silence is judged net of it
+        self.inbox = InboxProbe(pool.send, pool.keys.driver_inbox, config.heartbeat_interval_s,
+                                lost_after_s=config.heartbeat_timeout_s)
 
     # ------------------------------------------------------------ inputs (safe from a signal handler or any thread)
     def request_stop(self, reason: str) -> None:
@@ -136,24 +142,28 @@ class Driver:
         return record is not None and not record.dead and not record.finished
 
     # ------------------------------------------------------------ the one place that acts
-    def act(self, action: Action) -> None:
-        """Do what a state asked for."""
+    def act(self, action: Action) -> bool:
+        """Do what a state asked for. Returns whether that changed something a :class:`Context` shows."""
         records = self.pool.records
         match action:
             case AddEvent(kind, detail):
                 self.events.add(kind, self.round_id, self.world_size, **detail)
+                return False
             case PollDrains():
-                self.poll_drains()
+                return self.poll_drains()
             case KillSilent(members, failure_age_s):
-                self.kill_silent(self.members() if members else [], failure_age_s)
+                return self.kill_silent(self.members() if members else [], failure_age_s)
             case RequestCapacity():
                 counted = [r for r in self.pool.live() if not r.leaving and r.node_id not in self.draining]
-                self.pool.request(decisions.workers_to_request(len(counted), self.config.max_workers))
+                wanted = decisions.workers_to_request(len(counted), self.config.max_workers)
+                self.pool.request(wanted)
+                return wanted > 0
             case Form(staying, joiners, reason, stop, handover, extra, persist):
                 self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra,
                           persist)
             case Notify():
                 self.pool.notify(self.members(), self.round_id, change=True)
+                return False
             case RequestPersist(why, deadline_s, change, stop):
                 persist_id = 0
                 if why == "drain":  # numbered: its write's events say that this commit was saved
@@ -164,6 +174,7 @@ class Driver:
                                 **({"persist": persist_id, "final": change} if persist_id else {}))
             case AbortRound(why):
                 self.pool.abort_round(self.members(), self.round_id, why)
+                return False
             case StopWorkers(workers, why):
                 for worker_id in workers:
                     self.pool.stop(records[worker_id], why)
@@ -187,34 +198,42 @@ class Driver:
                     self.pool.kill(r, f"fn raised on rank {r.user_error.rank}: {lines[-1] if lines else '?'} "
                                       "(worker_errors='replace': a failed worker, replaced)")
             case DiagnoseStart(ready):
-                self.start_diagnosis = self.diagnose_start(ready)
+                self.start_diagnosis = self.pool.diagnose_start(ready)
             case _:
                 raise TypeError(f"the driver's loop has no action {action!r}")
+        return True
 
-    def poll_drains(self) -> None:
+    def poll_drains(self) -> bool:
         """Ask Ray which nodes drain (at most every DRAIN_POLL_S); mark the live workers there as leaving
         (``newly_draining``). A drain deadline is Ray's wall-clock time: it is turned into time left once, here,
-        and kept on the driver's monotonic clock from then on."""
+        and kept on the driver's monotonic clock from then on. Returns whether what a Context shows changed."""
+        before = (self.newly_draining, self.draining)
         self.newly_draining = ()
         if time.monotonic() - self.last_drain_poll < DRAIN_POLL_S:
-            return
-        self.last_drain_poll = time.monotonic()
+            return bool(before[0])
+        now = self.last_drain_poll = time.monotonic()
         self.draining = self.pool.draining_nodes()
-        newly = [r for r in self.pool.live() if r.node_id in self.draining and not r.leaving]
-        for r in newly:
-            deadline_ms = self.draining[r.node_id]
-            r.leaving, r.leaving_since = True, time.monotonic()
-            r.leave_by = time.monotonic() + (deadline_ms / 1000 - time.time()) if deadline_ms else None
-        self.newly_draining = tuple(r.worker_id for r in newly)
+        by_node: dict[str, list[WorkerRecord]] = {}  # the newly leaving, grouped in one pass
+        if self.draining:
+            for r in self.pool.live():
+                if not r.leaving and r.node_id in self.draining:
+                    by_node.setdefault(r.node_id, []).append(r)
         members = set(self.ring.worker_ids) if self.ring else set()
-        for node in sorted({r.node_id for r in newly}):
-            on_node = [r for r in newly if r.node_id == node]
-            left = [x for x in (r.leave_in_s(time.monotonic()) for r in on_node) if x is not None]
+        newly: list[str] = []
+        for node in sorted(by_node):
+            on_node, deadline_ms = by_node[node], self.draining[node]
+            for r in on_node:
+                r.leaving, r.leaving_since = True, now
+                r.leave_by = now + (deadline_ms / 1000 - time.time()) if deadline_ms else None
+            newly += (r.worker_id for r in on_node)
+            left = [x for x in (r.leave_in_s(now) for r in on_node) if x is not None]
             self.events.add("node_draining", self.round_id, self.world_size, node=node,
-                            deadline_ms=self.draining[node], deadline_s=round(min(left), 1) if left else None,
+                            deadline_ms=deadline_ms, deadline_s=round(min(left), 1) if left else None,
                             workers=[r.worker_id for r in on_node if r.worker_id in members],
                             joiners=[r.worker_id for r in on_node if r.worker_id not in members])
+        self.newly_draining = tuple(newly)
         self.tell_preemption()
+        return bool(newly) or bool(before[0]) or self.draining != before[1]
 
     def tell_preemption(self) -> None:
         """Tell the ring's members (through Ray) which of its ranks are on draining nodes and the earliest deadline,
@@ -223,23 +242,33 @@ class Driver:
         if notice is not None:
             self.pool.tell_preemption(self.members(), notice)
 
-    def kill_silent(self, members: list[WorkerRecord], failure_age_s: float | None) -> None:
+    def kill_silent(self, members: list[WorkerRecord], failure_age_s: float | None) -> bool:
         """Kill members the decisions condemn, and other workers silent past the heartbeat timeout (the same rule,
-        :func:`decisions.kill_cause` of a worker outside any re-form). A verdict from silence alone is confirmed
-        first: not while the driver's inbox still holds unread messages, and only if the worker's actor does not
-        answer through Ray either (a live one whose messages are lost is given a fresh grace and counted: twice in
-        a row names tampering)."""
+        :func:`decisions.kill_cause` of a worker outside any re-form). Silence is counted net of how far behind
+        the driver reads its inbox (:class:`~ray_integration.wire.channel.InboxProbe`): a driver that falls behind
+        does not take its own backlog for dead workers. A verdict from silence alone is confirmed first: not while
+        the driver's inbox still holds unread messages, and only if the worker's actor does not answer through Ray
+        either (a live one whose messages are lost is given a fresh grace and counted: twice in a row names
+        tampering). Returns whether it changed any record."""
         now = time.monotonic()
+        delay = self.inbox.delay_s(now)
         member_ids = {r.worker_id for r in members}
         ring_ids = set(self.ring.worker_ids) if self.ring else set()
+        # Only workers silent past the shortest limit in force (or every member, once the stuck rule may apply)
+        # can be condemned: one comparison each, a view and the decision only for those (most steps: none).
+        silent_before = now - delay - decisions.silence_limit_s(self.limits, failure_age_s)
+        every_member = decisions.stuck_rule_applies(self.limits, failure_age_s)
         verdicts: list[tuple[WorkerRecord, Kill]] = []
         for r in members:
-            kill = decisions.kill_cause(r.view(now), self.limits, failure_age_s)
-            if kill:
-                verdicts.append((r, kill))
+            if every_member or r.beat_at is not None and r.beat_at < silent_before:
+                kill = decisions.kill_cause(r.view(now, delay), self.limits, failure_age_s)
+                if kill:
+                    verdicts.append((r, kill))
+        silent_before = now - delay - decisions.silence_limit_s(self.limits, None)
         for r in self.pool.live():  # joiners and starting workers: only the heartbeat rule
-            if r.worker_id not in member_ids and r.worker_id not in ring_ids and r.info is not None:
-                kill = decisions.kill_cause(r.view(now), self.limits, None)
+            if r.beat_at is not None and r.beat_at < silent_before and r.worker_id not in member_ids and \
+                    r.worker_id not in ring_ids and r.info is not None:
+                kill = decisions.kill_cause(r.view(now, delay), self.limits, None)
                 if kill:
                     verdicts.append((r, kill))
         if any(kill.confirm for _, kill in verdicts):
@@ -249,9 +278,12 @@ class Driver:
                 verdicts = [(r, kill) for r, kill in verdicts if not kill.confirm]  # read what arrived first
             else:
                 self.deferred_at = None
+        if not verdicts:
+            return False
         silent = {r.worker_id for r, kill in verdicts if kill.confirm}
         others_heard = any(r.worker_id not in silent and r.heard_at is not None and
                            now - r.heard_at < self.limits.heartbeat_timeout_s / 2 for r in self.pool.live())
+        changed = False
         for r, kill in verdicts:
             verdict = decisions.after_probe(self.pool.probe(r, now)) if kill.confirm else Verdict.KILL
             if verdict is Verdict.UNHEARD:
@@ -260,12 +292,14 @@ class Driver:
                 if verdict is Verdict.KILL:
                     kill = Kill(message)
                 else:
-                    r.beat_at = now
+                    r.beat_at, changed = now, True
                     self.events.add("messages_lost", self.round_id, self.world_size, worker=r.worker_id,
                                     times=r.unheard, forged=self.pool.forged())
                     self.tampering = self.tampering or message
             if verdict is Verdict.KILL:
                 self.pool.kill(r, kill.cause)
+                changed = True
+        return changed
 
     def form(self, members: list[WorkerRecord], joiners: list[WorkerRecord], reason: str, stop: bool = False,
              handover: bool = False, extra: int = 0, persist: bool = False) -> None:
@@ -305,34 +339,18 @@ class Driver:
                         **({"persist": persist_id} if persist_id else {}))
         self.tell_preemption()
 
-    def diagnose_start(self, ready: int) -> str:
-        """Why fewer than min_workers started: missing resources (which), or workers that did not get ready."""
-        pending = [r for r in self.pool.live() if r.info is None]
-        head = (f"only {ready} of min_workers={self.config.min_workers} workers started within start_timeout_s="
-                f"{self.config.start_timeout_s}")
-        need = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
-        total, free = ray.cluster_resources(), ray.available_resources()
-        short = [f"{k} (each worker needs {v:g}; the cluster has {total.get(k, 0):g}, {free.get(k, 0):g} free)"
-                 for k, v in need.items() if v and free.get(k, 0) < v]
-        if pending and short:
-            return (f"{head}: {len(pending)} worker actor(s) are still waiting for resources the cluster lacks: "
-                    f"{', '.join(short)}. Add nodes with these resources, lower min_workers, or ask for less per "
-                    "worker (cpus_per_worker, gpus_per_worker, resources_per_worker)")
-        if pending:
-            return (f"{head}: {len(pending)} worker actor(s) were placed but did not finish starting (slow imports, "
-                    "or a runtime_env that takes long to set up); raise start_timeout_s")
-        return (f"{head}: the workers started but did not reach the rendezvous (fn never asked for its ring); "
-                "look at the workers' logs, or raise start_timeout_s")
-
     # ------------------------------------------------------------ the loop
     def advance(self, state: DriverState) -> DriverState:
-        """One step of ``state``: do each action it yields, showing it the Context as that action left it."""
-        steps = state.step(self.context())
+        """One step of ``state``: do each action it yields, showing it the Context as that action left it (built
+        again only after an action that changed something a Context shows: building one costs O(records))."""
+        ctx = self.context()
+        steps = state.step(ctx)
         try:
             action = next(steps)
             while True:
-                self.act(action)
-                action = steps.send(self.context())
+                if self.act(action):
+                    ctx = self.context()
+                action = steps.send(ctx)
         except StopIteration as done:
             return done.value
 
@@ -340,10 +358,11 @@ class Driver:
         state: DriverState = Starting(since=time.monotonic())
         watcher = RayWatcher(self.pool, self.wakeups)
         watcher.start()
-        last = time.monotonic()
+        last = stepped = time.monotonic()
+        relevant = True
         try:
             while not state.terminal:
-                self._take_wakeups()
+                relevant = self._take_wakeups(max(0.0, stepped + TICK_S - time.monotonic())) or relevant
                 now = time.monotonic()
                 if decisions.driver_stalled(now - last, now - self.last_grace, self.limits):
                     self.last_grace = now
@@ -351,6 +370,11 @@ class Driver:
                     self.events.add("driver_stalled", self.round_id, self.world_size, seconds=round(now - last, 2),
                                     note="every worker was given a fresh heartbeat grace")
                 last = now
+                self.inbox.tick(now)
+                self.pool.inbox_delay_s = self.inbox.delay_s(now)
+                if not pacing.step_due(relevant, now - stepped, TICK_S):
+                    continue  # only heartbeats and reports: applied, the state steps at the tick
+                relevant, stepped = False, now
                 self.newly_draining = ()
                 state = self.advance(state)
                 if on_tick is not None and not state.terminal:  # the caller checks the ended run itself
@@ -359,21 +383,29 @@ class Driver:
         finally:
             watcher.close()
 
-    def _take_wakeups(self) -> None:
-        """Block until a message, a Ray completion or the tick; then apply everything that arrived."""
+    def _take_wakeups(self, timeout_s: float) -> bool:
+        """Block until a message, a Ray completion or ``timeout_s``; then apply everything that arrived. Returns
+        whether any of it may change a decision (:func:`.pacing.wakes_states`; Ray completions and stop requests
+        always do)."""
         try:
-            items = [self.wakeups.get(timeout=TICK_S)]
+            items = [self.wakeups.get(timeout=timeout_s)] if timeout_s > 0 else [self.wakeups.get_nowait()]
         except queue.Empty:
-            return
+            return False
         while True:
             try:
                 items.append(self.wakeups.get_nowait())
             except queue.Empty:
                 break
+        relevant, now = False, time.monotonic()
         for kind, payload in items:
             if kind == "msg":
-                self.pool.apply(payload)
+                if not self.inbox.arrived(payload, now):
+                    relevant = self.pool.apply(payload) or relevant
             elif kind == "ray":
                 self.pool.apply_ray(payload)
+                relevant = True
             elif kind == "error":
                 raise payload
+            else:  # a stop or an abort (stopping.Stops)
+                relevant = True
+        return relevant

@@ -12,7 +12,6 @@ import itertools
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
@@ -26,78 +25,15 @@ from ..wire.channel import Channel
 from ..wire.protocol import DriverKind, Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from ..worker.actor import RingWorker  # the one import of the worker side: the pool creates its actors
-from .decisions import MemberView, Probe, StartFailureKind
+from .decisions import Probe, StartFailureKind
 from .drains import PersistLog
+from .pacing import resend_after_s, wakes_states
+from .records import Mail, WorkerRecord
 
 _RemoteWorker = ray.remote(RingWorker)
 
 #: How long a silent worker's actor has to answer through Ray before the silence verdict stands.
 PROBE_S = 0.5
-
-
-@dataclass
-class WorkerRecord:
-    worker_id: str
-    actor: Any
-    info_ref: Any
-    run_ref: Any
-    created_at: float
-    info: dict | None = None
-    joined_seq: int | None = None   # order in which it became ready (asked for its first ring)
-    ready_at: float | None = None   # driver's monotonic time when it first asked for a ring
-    has_state: bool = False         # completed a sync: holds the job's state
-    generation: int = 0             # the generation it last asked a ring for
-    reason: str | None = None
-    answered: int = 0               # the generation the driver last answered
-    answer: dict | None = None      # that answer (sent again if it got lost)
-    answered_at: float = 0.0
-    in_ring: bool = False           # has been given a ring
-    dead: bool = False
-    cause: str | None = None
-    finished: bool = False
-    leaving: bool = False           # its node drains: it leaves the ring at the next commit
-    leaving_since: float | None = None  # driver clock: when the driver saw its node drain
-    leave_by: float | None = None   # driver clock: its node's drain deadline (None: none known)
-    unheard: int = 0                # times in a row it answered through Ray while its messages were missing
-    probe_ref: Any = None           # a ping through Ray in flight (see WorkerPool.probe)
-    probe_at: float = 0.0
-    beat_seq: int = 0               # its heartbeat counter, as last seen
-    beat_at: float | None = None    # when that counter last advanced (driver clock), or a grace began
-    heard_at: float | None = None   # when that counter last advanced (a grace does not move it)
-    fault: str | None = None        # what a worker thread reported before it failed
-    value: Any = None
-    user_error: WorkerError | None = None
-    start_error: str | None = None  # the actor or fn could not even start (what to tell the user)
-    start_kind: StartFailureKind | None = None  # and of which kind (decisions.start_failure_verdict)
-
-    @property
-    def waiting(self) -> bool:
-        return not self.dead and self.generation > self.answered
-
-    @property
-    def node_id(self) -> str:
-        return self.info["node_id"] if self.info else "?"
-
-    def silent_s(self, now: float) -> float | None:
-        return None if self.beat_at is None else now - self.beat_at
-
-    def leave_in_s(self, now: float) -> float | None:
-        return None if self.leave_by is None else self.leave_by - now
-
-    def view(self, now: float) -> MemberView:
-        return MemberView(self.worker_id, dead=self.dead, finished=self.finished,
-                          waiting=self.reason if self.waiting else None, leaving=self.leaving,
-                          has_state=self.has_state, silent_s=self.silent_s(now), leave_in_s=self.leave_in_s(now))
-
-
-@dataclass
-class Mail:
-    """What the workers sent that the trainer (not the driver's states) consumes."""
-
-    reports: list[dict] = field(default_factory=list)
-    timeline: list[tuple[str, str, list, int]] = field(default_factory=list)
-    resumed: list[dict] = field(default_factory=list)
-    checkpoints: list[dict] = field(default_factory=list)
 
 
 class WorkerPool:
@@ -115,6 +51,7 @@ class WorkerPool:
         self.reported_checkpoint: str | None = None  # the newest reported checkpoint written (a Ray Train script's)
         self.persists = PersistLog()  # the writes the driver asked for (drains), by number, from the workers' events
         self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
+        self.inbox_delay_s = 0.0  # how far behind the driver reads its inbox (set by its loop: wire.InboxProbe)
 
     # ------------------------------------------------------------ effects
     def request(self, count: int) -> None:
@@ -152,13 +89,14 @@ class WorkerPool:
             record.answer.update(persist=persist_id, within_s=within_s)
         self._deliver(record, dict(record.answer))
         record.answered, record.answered_at, record.in_ring = record.generation, time.monotonic(), True
+        record.resends = 0
 
     def stop(self, record: WorkerRecord, why: str) -> None:
         """Answer a waiting worker with stop: its run returns (it leaves the job)."""
         if record.waiting:
             record.answer = {"k": DriverKind.STOP, "generation": record.generation, "why": why}
             self._deliver(record, dict(record.answer))
-            record.answered, record.answered_at = record.generation, time.monotonic()
+            record.answered, record.answered_at, record.resends = record.generation, time.monotonic(), 0
 
     def stop_waiting(self, why: str) -> None:
         for record in self.live():
@@ -242,21 +180,46 @@ class WorkerPool:
                 ray.kill(record.actor, no_restart=True)
                 record.dead = True
 
+    def diagnose_start(self, ready: int) -> str:
+        """Why fewer than min_workers started: missing resources (which), or workers that did not get ready."""
+        pending = [r for r in self.live() if r.info is None]
+        head = (f"only {ready} of min_workers={self.config.min_workers} workers started within start_timeout_s="
+                f"{self.config.start_timeout_s}")
+        need = {"CPU": self.config.cpus_per_worker, "GPU": self.config.worker_gpus, **self.config.resources_per_worker}
+        total, free = ray.cluster_resources(), ray.available_resources()
+        short = [f"{k} (each worker needs {v:g}; the cluster has {total.get(k, 0):g}, {free.get(k, 0):g} free)"
+                 for k, v in need.items() if v and free.get(k, 0) < v]
+        if pending and short:
+            return (f"{head}: {len(pending)} worker actor(s) are still waiting for resources the cluster lacks: "
+                    f"{', '.join(short)}. Add nodes with these resources, lower min_workers, or ask for less per "
+                    "worker (cpus_per_worker, gpus_per_worker, resources_per_worker)")
+        if pending:
+            return (f"{head}: {len(pending)} worker actor(s) were placed but did not finish starting (slow imports, "
+                    "or a runtime_env that takes long to set up); raise start_timeout_s")
+        return (f"{head}: the workers started but did not reach the rendezvous (fn never asked for its ring); "
+                "look at the workers' logs, or raise start_timeout_s")
+
     # ------------------------------------------------------------ observation
     def live(self) -> list[WorkerRecord]:
         """Workers starting or in the job: not dead and not finished (a worker that left a draining
         node has finished and no longer counts against max_workers)."""
         return [r for r in self.records.values() if not r.dead and not r.finished]
 
-    def apply(self, msg: dict) -> None:
-        """Bring a record up to date with one of its worker's (authenticated) messages."""
+    def apply(self, msg: dict) -> bool:
+        """Bring a record up to date with one of its worker's (authenticated) messages. Returns whether that
+        changed something the driver's states decide on (:func:`.decisions.wakes_states`)."""
         record = self.records.get(msg["from"])
         kind = WorkerKind.of(msg)
         if record is None or record.dead or kind is None:
-            return
-        _HANDLERS[kind](self, record, msg, time.monotonic())
+            return False
+        changed = _HANDLERS[kind](self, record, msg, time.monotonic())
+        return wakes_states(kind.value, changed)
 
-    def _heartbeat(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _heartbeat(self, record: WorkerRecord, msg: dict, now: float) -> bool:
+        # A counter that advanced changes no decision by itself: silence is judged at the next step, which sees it.
+        # (Counting a worker heard again after a gap as news would make every heartbeat news once the driver falls
+        # behind its inbox, which hands them over in bursts: a step per message again, and further behind.)
+        changed = False
         if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
             record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
             record.unheard, record.probe_ref = 0, None
@@ -264,33 +227,38 @@ class WorkerPool:
             record.has_state = True
         waiting = msg.get("waiting")
         if isinstance(waiting, int) and waiting > 0:
-            self._note_request(record, waiting, msg.get("reason"))
-            if waiting == record.answered and record.answer is not None and \
-                    now - record.answered_at > 2 * self.config.heartbeat_interval_s:
+            changed = self._note_request(record, waiting, msg.get("reason")) or changed
+            if waiting == record.answered and record.answer is not None and now - record.answered_at > \
+                    resend_after_s(self.config.heartbeat_interval_s, self.inbox_delay_s, record.resends):
                 self._deliver(record, dict(record.answer))  # the answer got lost: send it again
-                record.answered_at = now
+                record.answered_at, record.resends = now, record.resends + 1
+        return changed
 
-    def _ring_request(self, record: WorkerRecord, msg: dict, now: float) -> None:
-        self._note_request(record, msg.get("generation"), msg.get("reason"))
+    def _ring_request(self, record: WorkerRecord, msg: dict, now: float) -> bool:
+        return self._note_request(record, msg.get("generation"), msg.get("reason"))
 
-    def _synced(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _synced(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         record.has_state = True
+        return False
 
-    def _report(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _report(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         if isinstance(msg.get("record"), dict):
             self.mail.reports.append({**msg["record"], "driver_time": time.time()})
+        return False
 
-    def _timeline(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _timeline(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         if isinstance(msg.get("events"), list):
             self.mail.timeline.append((record.worker_id, str(msg.get("host")), msg["events"], int(msg.get("dropped") or 0)))
+        return False
 
-    def _resumed(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _resumed(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         if isinstance(msg.get("info"), dict):
             self.mail.resumed.append(msg["info"])
             if isinstance(msg["info"].get("uri"), str) and self.durable_checkpoint is None:
                 self.durable_checkpoint = msg["info"]["uri"]
+        return True
 
-    def _checkpoint(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _checkpoint(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         if isinstance(msg.get("event"), dict):
             self.mail.checkpoints.append({**msg["event"], "worker": record.worker_id})
             if msg["event"].get("kind") == "checkpoint_written" and isinstance(msg["event"].get("uri"), str):
@@ -298,17 +266,22 @@ class WorkerPool:
             elif msg["event"].get("kind") == "reported_checkpoint_written" and isinstance(msg["event"].get("uri"), str):
                 self.reported_checkpoint = msg["event"]["uri"]
             self.persists.apply(msg["event"], now, record.worker_id)
+        return True
 
-    def _fault(self, record: WorkerRecord, msg: dict, now: float) -> None:
+    def _fault(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         record.fault = f"{msg.get('what')}: {msg.get('error')}"
+        return True
 
-    def _note_request(self, record: WorkerRecord, generation: Any, reason: Any) -> None:
+    def _note_request(self, record: WorkerRecord, generation: Any, reason: Any) -> bool:
+        """Note a ring request; True if it was a new one."""
         if isinstance(generation, int) and generation > record.generation and \
                 reason in ("start", "failure", "membership"):
             record.generation, record.reason = generation, reason
             if record.joined_seq is None:
                 record.joined_seq = next(self._ready_seq)
                 record.ready_at = time.monotonic()
+            return True
+        return False
 
     def apply_ray(self, refs: list[Any]) -> None:
         """Bring records up to date with Ray object refs that completed (actor started, run ended)."""

@@ -4,7 +4,7 @@ and the terminal :class:`Finished`, :class:`Failed`, :class:`Stopped`.
 A state decides; it never acts. Its ``step`` reads a :class:`~.context.Context`,
 asks the pure decisions (:mod:`.decisions`), and yields the actions of
 :mod:`.context` one at a time; the loop (:mod:`.loop`) does each and sends back
-a fresh Context (``ctx = yield action``). The step's return value is the next
+the Context as that action left it (``ctx = yield action``). The step's return value is the next
 state. A stop (SIGTERM, ``trainer.stop()``, or a second one that abandons it) is
 one more input, handled in every state together with losses, drains and joins.
 This module imports neither the loop nor the pool.

@@ -8,6 +8,9 @@
   queue and hands verified messages to the driver loop. It captures every
   exception and hands it over too, so a dead inbox ends the run with its cause
   instead of leaving the driver waiting.
+* :class:`InboxProbe` measures how far behind the driver reads its queue (a
+  probe it sends itself), so that its backlog is not taken for the workers'
+  silence.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import torch.distributed as dist
 from elastic_ring.core.auth import seal_json, unseal_json
 from elastic_ring.core.errors import AuthenticationError, CommError
 
+from .protocol import DriverKind
+
 T = TypeVar("T")
+
+#: The kind of the driver's probe of its own inbox (:class:`InboxProbe`).
+PROBE = DriverKind.PROBE.value
 
 #: Store operations are retried this many times, backing off from RETRY_BASE_S up to RETRY_CAP_S.
 RETRIES = 5
@@ -165,3 +173,43 @@ class Inbox:
         except (RuntimeError, OSError):
             pass  # the store is already gone: the blocked pop has failed too
         self._thread.join(5)
+
+
+class InboxProbe:
+    """How far behind the driver reads its inbox, on its own clock: every ``interval_s`` it sends a sealed probe
+    to its own queue (:meth:`tick`), and notes when that probe comes out of the loop's wakeups (:meth:`arrived`).
+    The time between covers the store queue and the loop's own backlog, and no clocks of two hosts are compared.
+
+    :meth:`delay_s` is the last probe's delay, or the age of the one still on its way if that is longer (the
+    inbox is at least that far behind now). A probe not back within ``lost_after_s`` is taken for lost (a push
+    into a broken connection is lost without an error): it stops counting, and another is sent."""
+
+    def __init__(self, channel: Channel, queue_key: str, interval_s: float, lost_after_s: float) -> None:
+        self._channel, self._key = channel, queue_key
+        self._interval_s, self._lost_after_s = interval_s, lost_after_s
+        self._seq = 0
+        self._sent_at: float | None = None  # the probe on its way (driver clock)
+        self._last_sent = float("-inf")
+        self.measured_s = 0.0
+
+    def tick(self, now: float) -> None:
+        """Send the next probe when none is on its way (or it was lost) and ``interval_s`` passed."""
+        lost = self._sent_at is not None and now - self._sent_at > self._lost_after_s
+        if (self._sent_at is None or lost) and now - self._last_sent >= self._interval_s:
+            self._seq += 1
+            self._sent_at = self._last_sent = now
+            self._channel.send(self._key, PROBE, probe=self._seq)
+
+    def arrived(self, msg: dict, now: float) -> bool:
+        """Note ``msg`` if it is this driver's probe (sent by :meth:`tick` through its own channel)."""
+        if msg.get("k") != PROBE or msg.get("from") != self._channel.sender:
+            return False
+        if msg.get("probe") == self._seq and self._sent_at is not None:
+            self.measured_s, self._sent_at = now - self._sent_at, None
+        return True
+
+    def delay_s(self, now: float) -> float:
+        on_its_way = None if self._sent_at is None else now - self._sent_at
+        if on_its_way is None or on_its_way > self._lost_after_s:
+            return self.measured_s
+        return max(self.measured_s, on_its_way)

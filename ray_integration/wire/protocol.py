@@ -75,13 +75,15 @@ class WorkerKind(_Kind):
 
 
 class DriverKind(_Kind):
-    """What the driver sends to a worker (queue ``{job}/w/{worker_id}``), and ``WAKE`` to its own queue (it ends
-    the driver's blocking read at the end of a run)."""
+    """What the driver sends to a worker (queue ``{job}/w/{worker_id}``), and ``WAKE`` and ``PROBE`` to its own
+    queue (``WAKE`` ends the driver's blocking read at the end of a run; ``PROBE`` times how far behind it reads:
+    :class:`~.channel.InboxProbe`)."""
 
     RING = "ring"
     STOP = "stop"
     PENDING = "pending"
     WAKE = "wake"
+    PROBE = "probe"
 
 
 #: The trace thread of each timeline event category, in this order: the driver's timeline file
