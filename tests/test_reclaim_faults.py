@@ -183,6 +183,7 @@ def test_a_run_that_finishes_with_its_lease_lost_returns_from_the_drivers_loop(t
     """The driver's loop does not call the trainer's lease check after its last state: the trainer checks the ended
     run itself (``ended=True``: recorded, not raised). Found by a review: the loop's own tick raised there."""
     import queue
+    from types import SimpleNamespace
 
     from ray_integration.config import TrainerConfig
     from ray_integration.driver import loop
@@ -197,7 +198,9 @@ def test_a_run_that_finishes_with_its_lease_lost_returns_from_the_drivers_loop(t
     events = EventLog(None)
     check = LeaseCheck(lease, events)
     driver = loop.Driver.__new__(loop.Driver)
-    driver.pool, driver.wakeups, driver.last_grace = None, queue.SimpleQueue(), float("-inf")
+    driver.pool = SimpleNamespace(inbox_delay_s=0.0, grace=lambda now: None)
+    driver.inbox = SimpleNamespace(tick=lambda now: None, delay_s=lambda now: 0.0)
+    driver.wakeups, driver.last_grace = queue.SimpleQueue(), float("-inf")
     driver.limits, driver.events, driver.stop_reason, driver.round_id, driver.ring = (
         TrainerConfig().limits, events, None, 3, None)
     driver.advance = lambda state: Finished(7)
