@@ -37,14 +37,23 @@ class RankFailure:
     traceback: str
 
 
+def use_lazy_gloo_pairs() -> None:
+    """A ProcessRing ``setup``: this rank's gloo rings connect their pairs at first use (ELASTIC_RING_GLOO_LAZY=1)."""
+    from elastic_ring.core import constants
+
+    constants.GLOO_LAZY_PAIRS = True
+
+
 class RingTaskError(AssertionError):
     def __init__(self, failures: list[RankFailure]) -> None:
         self.failures = failures
         super().__init__("\n".join(f"rank {f.rank} raised {f.type_name}: {f.message}\n{f.traceback}" for f in failures))
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, setup=None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if setup is not None:  # a module-level function, run once in the rank's process before any task
+        setup()
     while True:
         try:
             message = conn.recv()
@@ -110,7 +119,8 @@ class Pending:
 
 
 class ProcessRing:
-    def __init__(self, num_procs: int) -> None:
+    def __init__(self, num_procs: int, setup: Any = None) -> None:
+        self._setup = setup  # run in every rank's process before its first task (e.g. use_lazy_gloo_pairs)
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["torch", "elastic_ring"])
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -123,7 +133,7 @@ class ProcessRing:
 
     def _spawn(self, slot: int) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        proc = self._ctx.Process(target=_worker_main, args=(child, self._setup), daemon=True)
         proc.start()
         child.close()
         self._procs[slot], self._conns[slot] = proc, parent

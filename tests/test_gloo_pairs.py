@@ -20,7 +20,7 @@ import torch.distributed as dist
 import elastic_ring as er
 from elastic_ring.backends import gloo
 from elastic_ring.core import constants
-from tests.process_ring import TEST_SECRET, ProcessRing
+from tests.process_ring import TEST_SECRET, ProcessRing, use_lazy_gloo_pairs
 
 HOST = "127.0.0.1"
 WORLD = 5  # not a power of two: the barrier's and the broadcasts' distances wrap around
@@ -28,7 +28,7 @@ WORLD = 5  # not a power of two: the barrier's and the broadcasts' distances wra
 
 @pytest.fixture(scope="module")
 def five():
-    pool = ProcessRing(WORLD)
+    pool = ProcessRing(WORLD, setup=use_lazy_gloo_pairs)  # opt-in (ELASTIC_RING_GLOO_LAZY=1)
     yield pool
     pool.close()
 
@@ -55,7 +55,7 @@ def _every_collective_without_the_store(port: int) -> dict:
 
 
 def test_a_lazy_ring_reads_nothing_from_the_store_after_it_formed(five):
-    assert constants.GLOO_LAZY_PAIRS, "the default is lazy pairs (ELASTIC_RING_GLOO_LAZY unset or 1)"
+    assert not constants.GLOO_LAZY_PAIRS, "the default is gloo's full mesh (ELASTIC_RING_GLOO_LAZY unset or 0)"
     results = five.run(_every_collective_without_the_store, five.address.port, timeout_s=60,
                        collective_timeout_s=10.0)
     assert results[0]["deleted"] == WORLD
