@@ -153,7 +153,7 @@ def test_rogue_client_cannot_run_code_and_cannot_hang_the_job(ray_session, tmp_p
 
 
 
-@pytest.mark.parametrize("theft_s, named, one", [(3.0, False, False),
+@pytest.mark.parametrize("theft_s, named, one", [pytest.param(3.0, False, False, marks=pytest.mark.slow),  # ~16 s
                                                 pytest.param(30.0, False, True, marks=pytest.mark.slow),
                                                 pytest.param(30.0, True, False, marks=pytest.mark.slow)])
 def test_messages_taken_from_the_driver_kill_no_live_worker_and_are_named(ray_session, monkeypatch, tmp_path,

@@ -178,6 +178,7 @@ def test_workers_that_see_a_state_py_the_driver_does_not_end_the_run_with_the_cl
     assert outcome["elapsed"] < 20, f"took {outcome['elapsed']:.1f} s: {text}"
 
 
+@pytest.mark.slow  # ~14 s of Ray; the clear error itself stays covered by this module's process tests
 def test_workers_alone_importing_a_state_py_end_the_run_at_the_first_with_the_clear_error(tmp_path):
     # the shadowing folder reaches only the workers (their runtime_env's PYTHONPATH puts it first): the driver's
     # own check cannot see it, and the first worker's import failure ends the run with the same clear error

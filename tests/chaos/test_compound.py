@@ -45,6 +45,7 @@ def arm(directory: pathlib.Path, *faults: tuple[str, int], min_epochs: int = 0) 
 
 
 # ---------------------------------------------------------------------------------------------- in-process
+@pytest.mark.slow  # ~13 s; tests/chaos/test_storm.py::test_long_storm runs every event with clocks 15 s off
 def test_clocks_15_s_apart_kill_no_healthy_worker(ray_session, tmp_path):
     config = arm(tmp_path, ("sigkill", 1), min_epochs=5)
     config["clock_skew_s"] = 15.0
