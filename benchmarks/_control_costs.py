@@ -32,22 +32,23 @@ from typing import Callable
 REPS = 15
 
 
-def _cpu_ms(fn: Callable[[], object], reps: int = REPS) -> float:
+def _median_ms(fn: Callable[[], object], reps: int, clock: Callable[[], float]) -> float:
     samples = []
     for _ in range(reps):
-        started = time.thread_time()
+        started = clock()
         fn()
-        samples.append((time.thread_time() - started) * 1000)
+        samples.append((clock() - started) * 1000)
     return statistics.median(samples)
+
+
+def _cpu_ms(fn: Callable[[], object], reps: int = REPS) -> float:
+    """Median ms of ``fn`` on this thread's CPU clock."""
+    return _median_ms(fn, reps, time.thread_time)
 
 
 def _wall_ms(fn: Callable[[], object], reps: int = 31) -> float:
-    samples = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
+    """Median ms of ``fn`` on the wall clock."""
+    return _median_ms(fn, reps, time.perf_counter)
 
 
 def costs(n: int) -> dict[str, float]:

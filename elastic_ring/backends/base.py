@@ -189,10 +189,15 @@ class Communicator(abc.ABC):
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
         return float(timeout_s)
 
-    def _guarded(self, fn, *args) -> Work:
-        self.check_usable()
+    def run_before_issue(self) -> None:
+        """Run the ``before_issue`` hooks (on the issuing thread, before a collective goes out); every path that
+        issues a collective, the bucket lanes included, calls it."""
         for hook in self.before_issue:
             hook()
+
+    def _guarded(self, fn, *args) -> Work:
+        self.check_usable()
+        self.run_before_issue()
         name = fn.__name__.lstrip("_")
         event = timeline.begin_async(name, "collective", bytes=_bytes_of(args)) if timeline.is_enabled() else None
         try:

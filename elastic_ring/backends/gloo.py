@@ -157,8 +157,7 @@ class _GlooBuckets(BucketPath):
         if pg is None or comm._error is not None or comm._closed or self._recorded:
             return comm.allreduce(tensor, ReduceOp.SUM)  # its checks raise what is wrong; the timeline records it
         if comm.before_issue:  # an _async queue: what was called before this bucket goes out first
-            for hook in comm.before_issue:
-                hook()
+            comm.run_before_issue()
         try:
             raw = pg.allreduce([tensor], self._opts)
         except _BACKEND_FAILURES as exc:

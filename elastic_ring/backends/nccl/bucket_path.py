@@ -85,8 +85,7 @@ class NcclBucketPath(BucketPath):
         if comm._error is not None or comm._closed:
             comm.check_usable()
         if comm.before_issue:  # an _async queue: what was called before this bucket goes out first
-            for hook in comm.before_issue:
-                hook()
+            comm.run_before_issue()
         i = self._count
         if i == len(self._done):
             self._ready.append(torch.cuda.Event())
