@@ -29,17 +29,19 @@ class RunFailed(RayIntegrationError, RuntimeError):
 
 
 class WorkerError(RayIntegrationError, RuntimeError):
-    """``fn`` raised on a worker (or the worker could not run it): carries the rank, the node and the
-    remote traceback."""
+    """``fn`` raised on a worker (or the worker could not run it): carries the rank, the node, the remote
+    traceback and, as ``cause``, the exception ``fn`` raised itself (None when it could not be pickled, or when
+    the worker failed outside ``fn``)."""
 
     def __init__(self, worker_id: str, rank: int | None, node_id: str, hostname: str, tb: str,
-                 what: str = "fn raised") -> None:
+                 what: str = "fn raised", cause: BaseException | None = None) -> None:
         self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback = worker_id, rank, node_id, hostname, tb
-        self.what = what
+        self.what, self.cause = what, cause
         super().__init__(f"{what} on rank {rank} (worker {worker_id}, node {node_id[:12]} {hostname}):\n{tb}")
 
     def __reduce__(self):
-        return (WorkerError, (self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback, self.what))
+        return (WorkerError, (self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback, self.what,
+                              self.cause))
 
 
 class WorkerGaveUp(RayIntegrationError, RuntimeError):

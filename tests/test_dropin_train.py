@@ -239,6 +239,12 @@ def test_an_exception_re_enters_from_the_newest_checkpoint_until_max_failures(ra
         trainer.fit()
     assert isinstance(caught.value, train.TrainingFailedError) and list(caught.value.worker_failures) == [1]
     assert "a bug at step 4, resumed from 2" in str(caught.value), caught.value
+    # as Ray Train's: the rank's entry wraps the exception the function raised with its traceback
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    failure = caught.value.worker_failures[1]
+    assert isinstance(failure, UserExceptionWithTraceback) and "Traceback" in str(failure), repr(failure)
+    assert type(failure._base_exc) is ValueError and str(failure._base_exc) == "a bug at step 4, resumed from 2"
 
 
 @pytest.mark.slow  # ~20 s: a kill, a replacement's start and its join

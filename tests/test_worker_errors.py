@@ -102,3 +102,29 @@ def test_giving_up_after_max_failures_names_the_last_error_of_a_dropped_worker()
                                                          failure_ages_s=(5.0, 0.0), dropped={"b": b}))
     assert isinstance(nxt, Failed) and "max_failures=1" in str(nxt.error)
     assert str(nxt.error).endswith("the last worker lost to an error: fn raised on rank 1: RuntimeError: boom on 1")
+
+
+def test_the_exception_fn_raised_travels_as_cause_when_it_pickles_and_is_left_out_when_not():
+    """``WorkerError.cause`` (what Ray Train's ``worker_failures`` shows): the exception itself through Ray's
+    pickling; one that cannot be pickled (it holds a lock) is left out, never failing the error's own trip."""
+    import pickle
+    import threading
+
+    from ray_integration.worker.actor import _picklable
+
+    raised = KeyError("missing column 'label'")
+    error = pickle.loads(pickle.dumps(WorkerError("w1", 1, "node1", "host", "Traceback ...", cause=_picklable(raised))))
+    assert type(error.cause) is KeyError and error.cause.args == raised.args and error.rank == 1
+
+    class HoldsALock(Exception):
+        def __init__(self) -> None:
+            super().__init__("held")
+            self.lock = threading.Lock()
+
+    assert _picklable(HoldsALock()) is None
+    error = pickle.loads(pickle.dumps(WorkerError("w1", 1, "node1", "host", "Traceback ...", cause=None)))
+    assert error.cause is None and "Traceback ..." in str(error)
+    # the run-ending error of worker_errors="replace" keeps the first error's cause
+    from ray_integration.driver.states import _every_worker_failed
+
+    assert _every_worker_failed(WorkerError("w1", 1, "n", "h", "tb", cause=raised), 3).cause is raised

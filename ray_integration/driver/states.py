@@ -102,7 +102,7 @@ def _every_worker_failed(error: WorkerError, members: int) -> WorkerError:
     """The error that ends a run whose every member failed (``worker_errors="replace"``): the first's, saying so."""
     return WorkerError(error.worker_id, error.rank, error.node_id, error.hostname, error.remote_traceback,
                        f"every worker of the ring failed ({members} of {members}: each raised or was lost, "
-                       f"worker_errors='replace'); the first error: {error.what}")
+                       f"worker_errors='replace'); the first error: {error.what}", error.cause)
 
 
 def _last_raised(ctx: Context) -> str:

@@ -97,6 +97,17 @@ def _describe_failure(exc: BaseException) -> str:
     return "fn raised"
 
 
+def _picklable(exc: BaseException) -> BaseException | None:
+    """``exc`` itself when Ray can carry it to the driver (``WorkerError.cause``), else None (the traceback says it)."""
+    import ray.cloudpickle
+
+    try:
+        ray.cloudpickle.loads(ray.cloudpickle.dumps(exc))
+    except Exception:  # any failure to pickle or rebuild it: an exception holding a lock, a socket, a lambda...
+        return None
+    return exc
+
+
 class RingWorker:
     def __init__(self, worker_id: str, store_host: str, store_port: int, job_id: str, secret: bytes,
                  heartbeat_interval_s: float, connect_timeout_s: float) -> None:
@@ -232,7 +243,7 @@ class RingWorker:
     def _error(self, exc: BaseException) -> WorkerError:
         rank = er.rank() if er.is_initialized() else None
         return WorkerError(self.worker_id, rank, self.node_id, self.hostname, traceback.format_exc(),
-                           _describe_failure(exc))
+                           _describe_failure(exc), _picklable(exc))
 
     def _flush_checkpoints(self) -> None:
         """Wait (bounded) for this process's checkpoint writes. A failed or late one does not undo the training:

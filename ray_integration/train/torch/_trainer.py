@@ -4,7 +4,7 @@
 reported checkpoint, ``None`` when no report carried one; ``best_checkpoints`` every kept one with its metrics;
 ``metrics_dataframe`` their metrics; ``return_value`` rank 0's return value; ``path`` the run's directory
 ``storage_path/name``), and raises ``ray.train.WorkerGroupError`` when the training function raised past the
-failure budget (``worker_failures`` maps the rank to the error, with its remote traceback) or when the workers
+failure budget (``worker_failures`` maps the rank to what the function raised, with its remote traceback, as Ray's) or when the workers
 failed more often than ``FailureConfig(max_failures)`` allows, ``ray.train.ControllerError`` when the run could not
 start or its driver failed. What the workers run is :func:`ray_integration.train._dropin.run_training_function`.
 """
@@ -74,7 +74,8 @@ class TorchTrainer:
         try:
             result = trainer.run(fn, config=dict(self.train_loop_config or {}))
         except WorkerError as exc:
-            raise _worker_group_error({exc.rank if exc.rank is not None else -1: exc}, exc.remote_traceback) from exc
+            raise _worker_group_error({exc.rank if exc.rank is not None else -1: _as_ray_failure(exc)},
+                                      exc.remote_traceback) from exc
         except RunFailed as exc:
             if "max_failures=" in str(exc):  # the driver's count of failed rings exceeded the budget
                 raise _worker_group_error({}, str(exc)) from exc
@@ -92,6 +93,19 @@ class TorchTrainer:
     @classmethod
     def can_restore(cls, *args: Any, **kwargs: Any) -> None:
         cls.restore()
+
+
+def _as_ray_failure(error: WorkerError) -> BaseException:
+    """A rank's entry of ``WorkerGroupError.worker_failures`` as Ray Train 2.60 makes it: what the function raised,
+    wrapped with its remote traceback (``UserExceptionWithTraceback``: ``str()`` is the traceback, ``_base_exc`` the
+    exception); the ``WorkerError`` itself when that exception could not be pickled or the worker failed outside it."""
+    if error.cause is None:
+        return error
+    try:
+        from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    except ImportError:  # another Ray: the exception itself
+        return error.cause
+    return UserExceptionWithTraceback(error.cause, traceback_str=error.remote_traceback)
 
 
 def _worker_group_error(failures: dict, text: str) -> Exception:
