@@ -115,3 +115,19 @@ def rank0_reports_then_dies(config: dict):
         if step == config["kill_after"] and er.round_id() == 1 and er.rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
     return start
+
+
+def partition(config: dict):
+    """Each rank's share of a shuffled loader from ``prepare_data_loader`` in two epochs (``set_epoch``), written to
+    ``config["out"]/rank-R.json`` with the ring's world size (real files: every rank's, not only rank 0's value)."""
+    import json
+
+    loader = prepare_data_loader(DataLoader(list(range(config["samples"])), batch_size=3, shuffle=True))
+    rank = train.get_context().get_world_rank()
+    epochs = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        epochs.append([int(i) for batch in loader for i in batch])
+    with open(os.path.join(config["out"], f"rank-{rank}.json"), "w") as f:
+        json.dump({"world": train.get_context().get_world_size(), "epochs": epochs,
+                   "sampler": type(loader.sampler).__name__}, f)
