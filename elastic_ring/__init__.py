@@ -54,7 +54,7 @@ from .ring.report import report
 from .collectives.scatter import alltoall, grouped_reducescatter, reducescatter
 from .collectives.sync_batch_norm import SyncBatchNorm
 from .ring.runtime import init, is_initialized, local_rank, local_size, rank, round_id, shutdown, size
-from .core.spec import RingSpec, StoreAddress
+from .core.spec import Placement, RingSpec, StoreAddress, placements
 from .ring.distributed_samplers import DistributedSamplerInTraining, allow_epoch_restart
 
 __version__ = "0.1.0"
@@ -64,8 +64,8 @@ __all__ = [
     "AuthenticationError", "CommError", "DistributedSamplerInTraining", "ElasticRingError", "MembershipChanged",
     "NotInitializedError", "RendezvousError", "RingStopped", "TensorMismatchError",
     # the ring: formed by ElasticTrainer, or by hand for a standalone ring (RingSpec, StoreAddress, init)
-    "RingSpec", "StoreAddress", "init", "is_initialized", "local_rank", "local_size", "nccl_available", "rank",
-    "round_id", "shutdown", "size",
+    "Placement", "RingSpec", "StoreAddress", "init", "is_initialized", "local_rank", "local_size", "nccl_available",
+    "placements", "rank", "round_id", "shutdown", "size",
     # Horovod's collectives, their async forms, join
     "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "agree_max", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "barrier",

@@ -77,3 +77,81 @@ def test_reduce_op_parse():
     assert er.ReduceOp.parse(er.Average) is er.Average
     with pytest.raises(ValueError, match="op='median'"):
         er.ReduceOp.parse("median")
+
+
+# ------------------------------------------------------------ placement: the node table or a rank's own fields
+def _today(node_ids, rank):
+    """The placement as it was computed before specs carried their own (from the whole node table, O(n) per rank)."""
+    node = node_ids[rank]
+    local = [node_ids[:r].count(n) for r, n in enumerate(node_ids)]
+    peers = [r for r, lr in enumerate(local) if lr == local[rank]]
+    counts = [node_ids.count(n) for n in set(node_ids)]
+    return er.Placement(node, local[rank], node_ids.count(node), peers.index(rank), len(peers),
+                        list(dict.fromkeys(node_ids)).index(node), len(set(counts)) == 1)
+
+
+LAYOUTS = {
+    "uneven nodes": ("a", "a", "a", "b", "c", "c"),
+    "interleaved placement": ("a", "b", "a", "c", "b", "a"),
+    "one node": ("n",) * 5,
+    "one worker per node": ("a", "b", "c", "d"),
+    "even nodes": ("a", "a", "b", "b", "c", "c"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_placement_equals_the_one_derived_from_the_node_table(layout):
+    node_ids = LAYOUTS[layout]
+    table = er.placements(node_ids)
+    for rank in range(len(node_ids)):
+        assert table[rank] == _today(node_ids, rank), (layout, rank)
+        alone = spec(world_size=len(node_ids), rank=rank, node_ids=None, **table[rank]._asdict())
+        assert alone.node_ids is None and alone.placement == table[rank]
+        assert spec(world_size=len(node_ids), rank=rank, node_ids=node_ids).placement == table[rank]
+
+
+def test_placement_table_by_hand():
+    # ranks 0-2 on a, 3 on b, 4-5 on c: local 0,1,2,0,0,1; cross of local 0 is a,b,c; of local 1 a,c; of 2 a
+    table = er.placements(("a", "a", "a", "b", "c", "c"))
+    assert [(p.local_rank, p.local_size, p.cross_rank, p.cross_size, p.node_rank) for p in table] == [
+        (0, 3, 0, 3, 0), (1, 3, 0, 2, 0), (2, 3, 0, 1, 0), (0, 1, 1, 3, 1), (0, 2, 2, 3, 2), (1, 2, 1, 2, 2)]
+    assert not table[0].homogeneous and er.placements(("a", "b", "a", "b"))[3].homogeneous
+
+
+def test_spec_without_node_ids_is_o1_on_the_wire_and_round_trips():
+    place = er.placements(("x" * 56,) * 1024)[1000]
+    s = er.RingSpec(round_id=3, rank=1000, world_size=1024, store=STORE, **place._asdict())
+    wire = s.to_wire()
+    assert "node_ids" not in wire and wire["local_rank"] == 1000 and len(str(wire)) < 600
+    assert er.RingSpec.from_wire(wire, None) == s
+    positional = er.RingSpec(1, 0, 2, ("a", "b"), STORE)  # node_ids and store keep their positions
+    assert (positional.node_id, positional.cross_size) == ("a", 2)
+    assert er.RingSpec.from_wire(positional.to_wire(), None) == positional
+
+
+def test_spec_without_any_placement_forms_but_local_calls_say_how_to_fix():
+    s = er.RingSpec(round_id=1, rank=0, world_size=2, store=STORE)
+    with pytest.raises(ValueError, match="has no placement: give it node_ids"):
+        s.placement
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(node_id="a", local_rank=0), r"placement \['node_id', 'local_rank'\] without \['local_size'"),
+        (dict(node_id=""), r"RingSpec\.node_id=''"),
+        (dict(local_rank=2, local_size=2), r"RingSpec\.local_rank=2 must be an int >= 0 and <= 1"),
+        (dict(local_size=5), r"RingSpec\.local_size=5 must be an int >= 1 and <= 4"),
+        (dict(cross_rank=1, cross_size=1), r"RingSpec\.cross_rank=1"),
+        (dict(node_rank=4), r"RingSpec\.node_rank=4"),
+        (dict(homogeneous=1), r"RingSpec\.homogeneous=1 must be True or False"),
+        (dict(store=None), r"RingSpec\.store=None must be a StoreAddress"),
+    ],
+)
+def test_invalid_placement_names_the_field(overrides, message):
+    fields = dict(er.placements(("a", "a", "b", "b"))[0]._asdict(), node_ids=None)
+    fields.update(overrides)
+    if "local_rank" in overrides and "local_size" not in overrides and "node_id" in overrides:
+        fields = {k: v for k, v in fields.items() if k in ("node_ids", "node_id", "local_rank")}
+    with pytest.raises(ValueError, match=message):
+        spec(**fields)

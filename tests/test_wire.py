@@ -67,3 +67,57 @@ def test_a_rendezvous_failure_from_forged_data_is_named_as_tampering_not_a_lost_
     forged = _raised_from(er.RendezvousError("the rendezvous failed"), er.AuthenticationError("forged"))
     assert "failed authentication" in _describe_failure(forged)
     assert _describe_failure(er.RendezvousError("x")) == "the rendezvous with the driver failed"
+
+
+def _first_ring_answer(n: int) -> tuple[bytes, er.RingSpec]:
+    """The real driver forms a first ring of ``n`` workers (8 per node, Ray node ids of 56 hex digits) and answers
+    each through a real store; what the last rank's worker pops from its queue (sealed), and the spec it reads."""
+    import queue
+
+    from benchmarks._control_pool import SimPool
+    from elastic_ring.core.auth import new_secret
+    from elastic_ring.ring.store import StoreServer
+    from ray_integration.config import TrainerConfig
+    from ray_integration.driver.events import EventLog
+    from ray_integration.driver.loop import Driver
+    from ray_integration.driver.states import Running, Starting
+    from ray_integration.wire.channel import Channel
+    from ray_integration.wire.protocol import DRIVER, Keys
+    from ray_integration.wire.settings import WorkerSettings
+
+    secret, keys, server = new_secret(), Keys(f"job-answers-{n}"), StoreServer("127.0.0.1")
+    try:
+        config = TrainerConfig(min_workers=n, max_workers=n, progress=False)
+        wakeups: queue.SimpleQueue = queue.SimpleQueue()
+        order = [f"{i:032x}" for i in range(n)]
+        nodes = {wid: f"{i // 8:056x}" for i, wid in enumerate(order)}
+        pool = SimPool(config, Channel(server.store, secret, DRIVER), "127.0.0.1", server.address.port, keys, secret,
+                       None, {}, WorkerSettings(driver_silence_s=60.0, flush_timeout_s=10.0), wakeups=wakeups,
+                       nodes=nodes, order=order, command=lambda kind, wids: None)
+        driver = Driver(config, pool, "127.0.0.1", EventLog(), wakeups)
+        pool.request(n)
+        pool.apply_ray([item for kind, items in [wakeups.get()] for item in items])
+        for wid in order:
+            pool.apply({"from": wid, "n": 1, "k": WorkerKind.HEARTBEAT.value, "seq": 1, "synced": True,
+                        "waiting": 1, "reason": "start"})
+        assert isinstance(driver.advance(Starting(since=0.0)), Running) and driver.ring.world_size == n
+        last = driver.ring.worker_ids[-1]
+        store = server.connect(10.0)
+        raw = store.queue_pop(keys.worker_inbox(last))
+        msg = Channel(store, secret, last).verify(keys.worker_inbox(last), raw)
+        assert DriverKind.of(msg) is DriverKind.RING
+        return raw, er.RingSpec.from_wire({**msg["spec"], "cuda_device": None}, secret)  # as the worker reads it
+    finally:
+        server.close()
+
+
+def test_a_ring_answer_does_not_grow_with_the_ring():
+    """Issue 34: each worker's answer carries its own placement, not the node table (60 KB each at 1,024)."""
+    small, small_spec = _first_ring_answer(8)
+    large, large_spec = _first_ring_answer(1024)
+    assert large_spec.node_ids is None and "node_ids" not in json.dumps(large_spec.to_wire())
+    # only the digits of the numbers grow: rank 7 of 8 -> 1023 of 1,024, and their local, cross and node ranks
+    assert len(large) - len(small) < 64 and len(large) < 2048, (len(small), len(large))
+    assert (large_spec.rank, large_spec.world_size, large_spec.node_id) == (1023, 1024, f"{127:056x}")
+    assert large_spec.placement == er.placements([f"{i // 8:056x}" for i in range(1024)])[1023]
+    assert (small_spec.local_rank, small_spec.local_size, small_spec.cross_rank, small_spec.cross_size) == (7, 8, 0, 1)

@@ -12,7 +12,7 @@ driver, a test harness, a user's launcher) is not this module's business.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 from .auth import check_secret
 from .constants import COLLECTIVE_TIMEOUT_S, CONNECT_TIMEOUT_S
@@ -36,6 +36,44 @@ class StoreAddress:
         check_int("StoreAddress.", "port", self.port, minimum=1, maximum=65535, hint="a TCP port")
 
 
+class Placement(NamedTuple):
+    """Where one rank sits among the ring's nodes: Horovod's local and cross ranks, and the node's place.
+
+    A worker needs only its own (seven values), never the whole node table: the Ray driver computes every rank's
+    in one pass (:func:`placements`) and sends each its own.
+    """
+
+    node_id: str          # this rank's node
+    local_rank: int       # its index among the ranks on its node, in rank order
+    local_size: int       # how many ranks its node has
+    cross_rank: int       # its node's index among the nodes that have a rank with its local rank
+    cross_size: int       # how many such nodes there are
+    node_rank: int        # its node's index among the ring's nodes, in order of their first rank
+    homogeneous: bool     # every node has the same number of ranks (Horovod's ``is_homogeneous``)
+
+
+#: RingSpec's placement fields, in order (all given, or none; ``node_ids`` gives all of them)
+PLACEMENT_FIELDS = Placement._fields
+
+
+def placements(node_ids: Sequence[str]) -> list[Placement]:
+    """Every rank's :class:`Placement` for the node of each rank (indexed by rank), in one O(n) pass."""
+    on_node: dict[str, int] = {}
+    local = []
+    for node in node_ids:
+        local.append(on_node.get(node, 0))
+        on_node[node] = local[-1] + 1
+    node_rank = {node: i for i, node in enumerate(on_node)}  # dicts keep first-insertion order
+    with_local: dict[int, int] = {}
+    cross = []
+    for lr in local:
+        cross.append(with_local.get(lr, 0))
+        with_local[lr] = cross[-1] + 1
+    homogeneous = len(set(on_node.values())) <= 1
+    return [Placement(node, lr, on_node[node], cr, with_local[lr], node_rank[node], homogeneous)
+            for node, lr, cr in zip(node_ids, local, cross)]
+
+
 @dataclass(frozen=True)
 class RingSpec:
     """One rank's view of one round of the ring.
@@ -44,8 +82,10 @@ class RingSpec:
         round_id: id of this round; strictly increasing over a job's rounds.
         rank: this process's rank in the round, ``0 <= rank < world_size``.
         world_size: number of ranks in the round.
-        node_ids: the node of each rank, indexed by rank; gives local rank/size.
-        store: the rendezvous TCP store.
+        node_ids: the node of each rank, indexed by rank (optional). When given, the placement fields below are
+            derived from it (any given with it are replaced). The Ray driver leaves it out and sends each rank
+            only its own placement, so that an answer's size does not grow with the ring.
+        store: the rendezvous TCP store (required).
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors, NCCL).
         job_id: namespace of the job's keys in the store.
         collective_timeout_s: a collective that takes longer raises CommError.
@@ -62,13 +102,16 @@ class RingSpec:
             Ignored by gloo.
         parent_round: the previous round whose members this round keeps (None: no parent).
         parent_ranks: for each rank of this round, its rank in ``parent_round``, or -1 for a newcomer.
+        node_id, local_rank, local_size, cross_rank, cross_size, node_rank, homogeneous: this rank's
+            :class:`Placement`; all given or none, derived from ``node_ids`` when it is given. A spec with neither
+            forms a ring, but :attr:`placement` (``er.local_rank()``, Horovod's local and cross calls) raises.
     """
 
     round_id: int
     rank: int
     world_size: int
-    node_ids: tuple[str, ...]
-    store: StoreAddress
+    node_ids: tuple[str, ...] | None = None
+    store: StoreAddress = None  # type: ignore[assignment]  # required: a default only to keep node_ids optional
     backend: str = "gloo"
     job_id: str = "elastic_ring"
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
@@ -79,17 +122,19 @@ class RingSpec:
     nccl_reform: str = "init"
     parent_round: int | None = None
     parent_ranks: tuple[int, ...] | None = None
+    node_id: str | None = None
+    local_rank: int | None = None
+    local_size: int | None = None
+    cross_rank: int | None = None
+    cross_size: int | None = None
+    node_rank: int | None = None
+    homogeneous: bool | None = None
 
     def __post_init__(self) -> None:
         check_int("RingSpec.", "round_id", self.round_id, minimum=0)
         check_int("RingSpec.", "world_size", self.world_size, minimum=1)
         check_int("RingSpec.", "rank", self.rank, minimum=0, maximum=self.world_size - 1)
-        if not isinstance(self.node_ids, tuple) or len(self.node_ids) != self.world_size or \
-                not all(isinstance(n, str) and n for n in self.node_ids):
-            raise ValueError(
-                f"RingSpec.node_ids={self.node_ids!r} must be a tuple with one non-empty node id string per rank "
-                f"(world_size={self.world_size})"
-            )
+        self._check_placement()
         if not isinstance(self.store, StoreAddress):
             raise ValueError(f"RingSpec.store={self.store!r} must be a StoreAddress(host, port)")
         if self.backend not in BACKENDS:
@@ -105,6 +150,47 @@ class RingSpec:
         if self.auth_key is not None:
             object.__setattr__(self, "auth_key", check_secret(self.auth_key, "RingSpec.auth_key"))
         self._check_parent()
+
+    def _check_placement(self) -> None:
+        if self.node_ids is not None:
+            if not isinstance(self.node_ids, tuple) or len(self.node_ids) != self.world_size or \
+                    not all(isinstance(n, str) and n for n in self.node_ids):
+                raise ValueError(
+                    f"RingSpec.node_ids={self.node_ids!r} must be None or a tuple with one non-empty node id string "
+                    f"per rank (world_size={self.world_size})"
+                )
+            for name, value in zip(PLACEMENT_FIELDS, placements(self.node_ids)[self.rank]):
+                object.__setattr__(self, name, value)
+            return
+        given = [name for name in PLACEMENT_FIELDS if getattr(self, name) is not None]
+        if not given:
+            return
+        missing = [name for name in PLACEMENT_FIELDS if name not in given]
+        if missing:
+            raise ValueError(f"RingSpec placement {given} without {missing}: give every one of "
+                             f"{list(PLACEMENT_FIELDS)}, or node_ids (one node id per rank) to derive them")
+        if not isinstance(self.node_id, str) or not self.node_id:
+            raise ValueError(f"RingSpec.node_id={self.node_id!r} must be a non-empty node id string")
+        world = self.world_size
+        check_int("RingSpec.", "local_size", self.local_size, minimum=1, maximum=world, hint="ranks on this node")
+        check_int("RingSpec.", "local_rank", self.local_rank, minimum=0, maximum=self.local_size - 1,
+                  hint="below local_size")
+        check_int("RingSpec.", "cross_size", self.cross_size, minimum=1, maximum=world,
+                  hint="nodes with a rank of this local rank")
+        check_int("RingSpec.", "cross_rank", self.cross_rank, minimum=0, maximum=self.cross_size - 1,
+                  hint="below cross_size")
+        check_int("RingSpec.", "node_rank", self.node_rank, minimum=0, maximum=world - 1,
+                  hint="this node's index among the ring's nodes")
+        if not isinstance(self.homogeneous, bool):
+            raise ValueError(f"RingSpec.homogeneous={self.homogeneous!r} must be True or False")
+
+    @property
+    def placement(self) -> Placement:
+        """This rank's :class:`Placement`; ValueError if the spec has none (neither node_ids nor its fields)."""
+        if self.node_id is None:
+            raise ValueError(f"[{self.identity}] this ring's RingSpec has no placement: give it node_ids (one node "
+                             f"id per rank) or {list(PLACEMENT_FIELDS)} to use local ranks and sizes")
+        return Placement(*(getattr(self, name) for name in PLACEMENT_FIELDS))
 
     def _check_parent(self) -> None:
         if self.nccl_reform not in NCCL_REFORMS:
@@ -128,8 +214,10 @@ class RingSpec:
     # ------------------------------------------------------------ plain encoding (no pickle)
     def to_wire(self) -> dict[str, Any]:
         """The spec as plain JSON data, without ``auth_key``."""
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "auth_key"}
-        out["node_ids"] = list(self.node_ids)
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
+                               if f.name != "auth_key" and getattr(self, f.name) is not None}
+        if self.node_ids is not None:
+            out["node_ids"] = list(self.node_ids)
         if self.parent_ranks is not None:
             out["parent_ranks"] = list(self.parent_ranks)
         out["store"] = {"host": self.store.host, "port": self.store.port}
@@ -149,24 +237,10 @@ class RingSpec:
         if not isinstance(store, dict):
             raise ValueError(f"ring spec store={store!r} must be an object with host and port")
         values["store"] = StoreAddress(store.get("host"), store.get("port"))
-        values["node_ids"] = tuple(values.get("node_ids") or ())
-        if isinstance(values.get("parent_ranks"), list):
-            values["parent_ranks"] = tuple(values["parent_ranks"])
+        for name in ("node_ids", "parent_ranks"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
         return cls(**values, auth_key=auth_key)
-
-    @property
-    def node_id(self) -> str:
-        return self.node_ids[self.rank]
-
-    @property
-    def local_rank(self) -> int:
-        """Rank among the ranks on this node, in rank order."""
-        return self.node_ids[: self.rank].count(self.node_id)
-
-    @property
-    def local_size(self) -> int:
-        """Number of ranks on this node."""
-        return self.node_ids.count(self.node_id)
 
     @property
     def store_prefix(self) -> str:

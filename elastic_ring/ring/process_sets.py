@@ -38,6 +38,7 @@ from typing import Iterator, Sequence
 from ..backends.base import Communicator
 from ..core.errors import CommError
 from ..core.log import get_logger
+from ..core.spec import PLACEMENT_FIELDS
 from . import runtime
 
 _log = get_logger(__name__)
@@ -135,7 +136,10 @@ def _form(ring: Communicator, members: tuple[int, ...]) -> Communicator:
         "job_id": f"{spec.job_id}.ps{digest}.{count}",
         "rank": members.index(spec.rank),
         "world_size": len(members),
-        "node_ids": tuple(spec.node_ids[r] for r in members),
+        # the sub-ring's placement: derived from the members' node ids where the spec has the node table (a ring
+        # formed by hand); the Ray driver's specs carry only their own rank's, so a sub-ring of theirs has none
+        "node_ids": None if spec.node_ids is None else tuple(spec.node_ids[r] for r in members),
+        **{name: None for name in PLACEMENT_FIELDS},
     }
     names = {f.name for f in dataclasses.fields(spec)}
     for parent_field in ("parent_round", "parent_ranks"):  # a sub-ring is always formed afresh

@@ -326,12 +326,12 @@ def size() -> int:
 
 def local_rank() -> int:
     """Rank among the current ring's ranks on this node."""
-    return current().spec.local_rank
+    return current().spec.placement.local_rank
 
 
 def local_size() -> int:
     """Number of the current ring's ranks on this node."""
-    return current().spec.local_size
+    return current().spec.placement.local_size
 
 
 def round_id() -> int:

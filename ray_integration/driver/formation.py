@@ -13,6 +13,9 @@ Keeping this free of Ray and of I/O lets the rules be tested with tables:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+from elastic_ring.core.spec import RingSpec, placements
 
 
 @dataclass(frozen=True)
@@ -69,5 +72,19 @@ def parent_ranks(parent: Ring | None, ring: Ring) -> tuple[int, ...] | None:
     nobody of the parent is in ``ring``. What an NCCL ring needs to shrink or grow instead of a full init."""
     if parent is None:
         return None
-    ranks = tuple(parent.worker_ids.index(w) if w in parent.worker_ids else -1 for w in ring.worker_ids)
+    old = {w: rank for rank, w in enumerate(parent.worker_ids)}
+    ranks = tuple(old.get(w, -1) for w in ring.worker_ids)
     return ranks if any(r >= 0 for r in ranks) else None
+
+
+def ring_specs(ring: Ring, parent: Ring | None, lineage: bool, bind_hosts: Sequence[str | None],
+               **common: Any) -> list[RingSpec]:
+    """Each rank's answer for ``ring``: its own :class:`~elastic_ring.Placement` (node, local and cross rank and
+    size), never the node table, so that an answer's size and its validation do not grow with the ring; the node
+    table is computed once (O(n)). ``lineage``: name the parent round and each rank's rank in it (an NCCL
+    ``shrink_grow`` ring); ``bind_hosts``: each rank's address; ``common``: the fields every rank shares."""
+    ranks = parent_ranks(parent, ring) if lineage else None
+    lineage_fields = {"parent_round": parent.round_id if ranks else None, "parent_ranks": ranks}
+    return [RingSpec(round_id=ring.round_id, rank=rank, world_size=ring.world_size, bind_host=bind_hosts[rank],
+                     **place._asdict(), **lineage_fields, **common)
+            for rank, place in enumerate(placements(ring.node_ids))]

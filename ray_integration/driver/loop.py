@@ -31,7 +31,7 @@ from .context import (
 from .decisions import Kill, Verdict
 from .drains import DrainView
 from .events import EventLog
-from .formation import Member, Ring, form_ring, parent_ranks
+from .formation import Member, Ring, form_ring, ring_specs
 from .pool import WorkerPool
 from .preemption import Preemption
 from .records import WorkerRecord
@@ -315,17 +315,13 @@ class Driver:
             within_s = min(left) if left else None
         parent = self.ring
         self.ring = form_ring([Member(r.worker_id, r.node_id, r.joined_seq, r.has_state) for r in chosen], self.round_id)
-        lineage = parent_ranks(parent, self.ring) if self.config.nccl_reform == "shrink_grow" else None
-        store = er.StoreAddress(self.store_host, self.pool.store_port)
-        for rank, worker_id in enumerate(self.ring.worker_ids):
-            record = self.pool.records[worker_id]
-            spec = er.RingSpec(round_id=self.round_id, rank=rank, world_size=self.ring.world_size,
-                               node_ids=self.ring.node_ids, store=store, backend=self.config.backend,
-                               job_id=self.pool.keys.job, collective_timeout_s=self.config.collective_timeout_s,
-                               connect_timeout_s=self.config.connect_timeout_s,
-                               bind_host=record.info.get("node_ip") if record.info else None,
-                               nccl_reform=self.config.nccl_reform,
-                               parent_round=parent.round_id if lineage else None, parent_ranks=lineage)
+        records = [self.pool.records[w] for w in self.ring.worker_ids]
+        specs = ring_specs(self.ring, parent, self.config.nccl_reform == "shrink_grow",
+                           [r.info.get("node_ip") if r.info else None for r in records],
+                           store=er.StoreAddress(self.store_host, self.pool.store_port), backend=self.config.backend,
+                           job_id=self.pool.keys.job, collective_timeout_s=self.config.collective_timeout_s,
+                           connect_timeout_s=self.config.connect_timeout_s, nccl_reform=self.config.nccl_reform)
+        for worker_id, record, spec in zip(self.ring.worker_ids, records, specs):
             was_member = record.in_ring
             self.pool.answer(record, spec, stop=stop, handover=handover, persist_id=persist_id, within_s=within_s)
             if not was_member and reason != "start":

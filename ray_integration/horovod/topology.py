@@ -8,7 +8,6 @@ import elastic_ring as er
 from elastic_ring.core.errors import NotInitializedError
 from elastic_ring.ring import runtime
 
-from ..wire.launch_env import cross_of
 from .errors import _LAUNCH
 
 
@@ -45,31 +44,24 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    return _spec().local_rank
+    return _spec().placement.local_rank
 
 
 def local_size() -> int:
-    return _spec().local_size
-
-
-def _cross() -> tuple[int, int]:
-    """This rank's index among the ranks with its local rank (one per node), and how many there are."""
-    spec = _spec()
-    return cross_of(spec.node_ids, spec.rank)
+    return _spec().placement.local_size
 
 
 def cross_rank() -> int:
-    return _cross()[0]
+    """This node's index among the nodes that have a rank with this rank's local rank."""
+    return _spec().placement.cross_rank
 
 
 def cross_size() -> int:
-    return _cross()[1]
+    return _spec().placement.cross_size
 
 
 def is_homogeneous() -> bool:
-    spec = _spec()
-    counts = [spec.node_ids.count(n) for n in set(spec.node_ids)]
-    return len(set(counts)) == 1
+    return _spec().placement.homogeneous
 
 
 def mpi_threads_supported() -> bool:

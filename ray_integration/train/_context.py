@@ -27,9 +27,7 @@ class TrainContext:
     def get_node_rank(self) -> int:
         """The index of this worker's node among the ring's nodes (in rank order: rank 0's node is 0)."""
         er.size()  # forms the ring if it is not formed yet
-        spec = ring_runtime.current().spec
-        nodes = list(dict.fromkeys(spec.node_ids))
-        return nodes.index(spec.node_ids[spec.rank])
+        return ring_runtime.current().spec.placement.node_rank
 
     def get_experiment_name(self) -> str | None:
         """RunConfig's ``name``: the last part of the run's location (None without one)."""

@@ -27,34 +27,21 @@ NCCL's own choice of interface is left alone), ``PYTHONUNBUFFERED`` (it would co
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from elastic_ring.core.spec import RingSpec
 
 
-def cross_of(node_ids: Sequence[str], rank: int) -> tuple[int, int]:
-    """Horovod's cross rank and size: the index of ``rank``'s node among the nodes that have a rank with its local
-    rank, and how many such nodes there are (ranks are contiguous per node, nodes in ring order)."""
-    seen: dict[str, int] = {}
-    local = []
-    for node in node_ids:
-        local.append(seen.get(node, 0))
-        seen[node] = seen.get(node, 0) + 1
-    peers = [r for r, lr in enumerate(local) if lr == local[rank]]
-    return peers.index(rank), len(peers)
-
-
 def horovod_environment(spec: RingSpec) -> dict[str, str]:
-    """What ``horovodrun`` would set on the worker that holds ``spec``'s rank."""
-    cross_rank, cross_size = cross_of(spec.node_ids, spec.rank)
+    """What ``horovodrun`` would set on the worker that holds ``spec``'s rank (from its own placement: the
+    driver's answer carries no node table)."""
+    place = spec.placement
     return {
         "HOROVOD_RANK": str(spec.rank),
         "HOROVOD_SIZE": str(spec.world_size),
-        "HOROVOD_LOCAL_RANK": str(spec.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(spec.local_size),
-        "HOROVOD_CROSS_RANK": str(cross_rank),
-        "HOROVOD_CROSS_SIZE": str(cross_size),
-        "HOROVOD_HOSTNAME": spec.node_ids[spec.rank],
+        "HOROVOD_LOCAL_RANK": str(place.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(place.local_size),
+        "HOROVOD_CROSS_RANK": str(place.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(place.cross_size),
+        "HOROVOD_HOSTNAME": place.node_id,
         "HOROVOD_ELASTIC": "1",
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
@@ -63,4 +50,4 @@ def horovod_environment(spec: RingSpec) -> dict[str, str]:
     }
 
 
-__all__ = ["cross_of", "horovod_environment"]
+__all__ = ["horovod_environment"]
