@@ -191,3 +191,47 @@ def test_an_inline_bucket_waits_for_buckets_another_path_left_on_the_launcher(fa
     comm.bucket_path("inline").launch(torch.ones(4))
     assert [entry[1] for entry in lib.log] == ["queued bucket", 4], "one ordering point for every launch"
     comm.close()
+
+
+class FailingLib(RankLib):
+    """The ``fail_at``-th bucket allreduce fails (a peer closed its connection)."""
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at, self.buckets = fail_at, 0
+
+    def all_reduce(self, comm, ptr, count, dtype, op, stream):
+        if op == nccl_lib.SUM:
+            self.buckets += 1
+            if self.buckets == self.fail_at:
+                self.log.append(("allreduce", count, dtype, op))
+                return 6  # ncclRemoteError
+        return super().all_reduce(comm, ptr, count, dtype, op, stream)
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_a_failed_bucket_launch_surfaces_as_comm_error_with_clean_gradients_and_ends_the_launcher(
+        fake_cuda, cuda_free, as_on_a_gpu, mode):  # noqa: F811
+    import elastic_ring as er
+
+    lib = FailingLib(fail_at=2)
+    comm = _rank_comm(0, lib, cuda_free, fake_cuda.Stream())
+    model = Net()
+    params = list(model.named_parameters())
+    reducer = reducer_mod.GradReducer(params, ReduceOp.AVERAGE, Compression.none, bucket_bytes=2048,
+                                      backward_passes_per_step=1, first_bucket_bytes=512)
+    reducer.bucket_mode = mode
+    runtime._current = comm
+    with pytest.raises(er.CommError, match="ncclRemoteError") as failed:
+        for i in reversed(range(len(params))):  # autograd's usual order: the buckets go out during "backward"
+            params[i][1].grad = torch.ones_like(params[i][1])
+            reducer._on_grad_ready(params[i][1])
+        reducer.synchronize()  # thread: the launcher's failure surfaces here at the latest
+    assert getattr(failed.value, "live_state_consistent", False), "raised before the update: the state is whole"
+    assert all(p.grad is None for _, p in params), "a retried step starts from clean gradients"
+    assert comm.errored and "abort" in lib.calls
+    sums = [entry for entry in lib.log if entry[3] == nccl_lib.SUM]
+    assert len(sums) == 2, f"nothing is launched after the failed bucket: {sums}"
+    launcher = comm._launcher
+    assert launcher is None if mode == "inline" else launcher.join(5), "the launcher thread ends with its ring"
+    runtime._current = None
