@@ -21,7 +21,12 @@ the slowest rank). The methods:
 Every method's result is checked once (a sum of ``rank + 1``). ``--device cpu`` is a dry run of the harness over
 gloo (``torch``, ``collective`` and gloo's bucket path).
 
+Rank 0 prints a line as each method's warm-up passes and as each block ends (flushed), so a run that stops
+shows where. ``--timeout-s`` is the ring's ``collective_timeout_s`` (a hung collective becomes a ``CommError``
+then, instead of after the benchmarks' usual 600 s); ``--methods`` runs only some methods (e.g. one lane alone).
+
     python -m benchmarks.nccl_launch [--calls 1000] [--blocks 4] [--numel 1024] [--world 2] [--device cuda|cpu]
+        [--methods torch collective inline thread "parent raw" "child raw"] [--timeout-s 60]
 """
 
 from __future__ import annotations
@@ -41,8 +46,17 @@ from benchmarks._needs import Results, require_nccl
 from elastic_ring.core.ops import ReduceOp
 
 
-def _methods(comm, cuda: bool, numel: int, dev: torch.device) -> tuple[dict, list]:
-    """name -> (tensor, launch() -> token, finish(tokens)); and what to release at the end."""
+CUDA_METHODS = ("torch", "collective", "inline", "thread", "parent raw", "child raw")
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[nccl_launch] {text}", flush=True)
+
+
+def _methods(comm, cuda: bool, numel: int, dev: torch.device, chosen: tuple[str, ...] = ()) -> tuple[dict, list]:
+    """name -> (tensor, launch() -> token, finish(tokens)); and what to release at the end. ``chosen``: only
+    those methods (every rank makes the same choice), else all."""
     methods: dict = {}
     cleanup: list = []
 
@@ -61,6 +75,8 @@ def _methods(comm, cuda: bool, numel: int, dev: torch.device) -> tuple[dict, lis
     from elastic_ring.backends.nccl.handle import settle
 
     for mode in ("inline", "thread"):
+        if chosen and mode not in chosen:
+            continue
         path, t = comm.bucket_path(mode), tensor()
         methods[mode] = (t, lambda t=t, p=path: p.launch(t), path.wait)
     handle, stream, timeout_s = comm._handle, comm._stream, comm.spec.collective_timeout_s
@@ -77,15 +93,19 @@ def _methods(comm, cuda: bool, numel: int, dev: torch.device) -> tuple[dict, lis
 
     t = tensor()
     methods["parent raw"] = (t, raw(handle, t, True), lambda tokens: stream.synchronize())
-    identity = comm.spec.identity
-    child = nccl_reform.split(handle, comm.spec.rank, True, time.monotonic() + 60, identity, 60.0)
-    cleanup.append(lambda: nccl_handle.abort(child, identity))
-    t = tensor()
-    methods["child raw"] = (t, raw(child, t, False), lambda tokens: stream.synchronize())
+    if not chosen or "child raw" in chosen:
+        _say(comm.spec.rank, "splitting a blocking child communicator (ncclCommSplit, blocking=1)")
+        identity = comm.spec.identity
+        child = nccl_reform.split(handle, comm.spec.rank, True, time.monotonic() + 60, identity, 60.0)
+        cleanup.append(lambda: nccl_handle.abort(child, identity))
+        t = tensor()
+        methods["child raw"] = (t, raw(child, t, False), lambda tokens: stream.synchronize())
+    if chosen:
+        methods = {name: m for name, m in methods.items() if name in chosen or name == "collective"}
     return methods, cleanup
 
 
-def _bench(calls: int, blocks: int, numel: int, port: int, device: str) -> dict:
+def _bench(calls: int, blocks: int, numel: int, port: int, device: str, chosen: tuple[str, ...] = ()) -> dict:
     rank, world = er.rank(), er.size()
     comm = runtime.current()
     cuda = device == "cuda"
@@ -95,7 +115,8 @@ def _bench(calls: int, blocks: int, numel: int, port: int, device: str) -> dict:
                             world_size=world, timeout=datetime.timedelta(seconds=300),
                             device_id=dev if cuda else None)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    methods, cleanup = _methods(comm, cuda, numel, dev)
+    methods, cleanup = _methods(comm, cuda, numel, dev, chosen)
+    _say(rank, f"ring formed; methods {', '.join(methods)}")
     host: dict[str, list[float]] = {name: [] for name in methods}
     total: dict[str, list[float]] = {name: [] for name in methods}
     per_block = max(1, calls // blocks)
@@ -108,7 +129,8 @@ def _bench(calls: int, blocks: int, numel: int, port: int, device: str) -> dict:
             if not torch.all(t == expected):
                 raise AssertionError(f"{name}: allreduce gave {t[:4].tolist()}, expected {expected}")
             t.zero_()
-        for _ in range(blocks):
+            _say(rank, f"warm-up passed: {name}")
+        for block in range(blocks):
             for name, (t, launch, finish) in methods.items():
                 er.barrier()
                 sync()
@@ -120,6 +142,8 @@ def _bench(calls: int, blocks: int, numel: int, port: int, device: str) -> dict:
                 done = time.perf_counter()
                 host[name].append((launched - started) / per_block * 1e6)
                 total[name].append((done - started) / per_block * 1e6)
+                _say(rank, f"block {block + 1}/{blocks} {name}: host {host[name][-1]:.1f} us/call, "
+                           f"with wait {total[name][-1]:.1f} us/call")
     finally:
         for release in cleanup:
             release()
@@ -137,16 +161,25 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1024, help="float32 elements per allreduce")
     parser.add_argument("--world", type=int, default=2, help="ranks (all on CUDA device 0)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run over gloo")
+    parser.add_argument("--methods", nargs="+", choices=CUDA_METHODS, default=[],
+                        help="only these methods (cuda; 'collective' always runs: the ratios' base)")
+    parser.add_argument("--timeout-s", type=float, default=60.0,
+                        help="the ring's collective_timeout_s: a hung launch fails after it (default 60)")
     args = parser.parse_args()
-    if args.calls < 1 or args.blocks < 1 or args.numel < 1 or args.world < 2:
-        parser.error("--calls, --blocks and --numel must be >= 1 and --world >= 2")
+    if args.calls < 1 or args.blocks < 1 or args.numel < 1 or args.world < 2 or args.timeout_s <= 0:
+        parser.error("--calls, --blocks and --numel must be >= 1, --world >= 2 and --timeout-s > 0")
+    if args.methods and args.device != "cuda":
+        parser.error("--methods chooses among the CUDA methods: use it with --device cuda")
     if args.device == "cuda":
         require_nccl(benchmark="benchmarks.nccl_launch", why="the NCCL launch paths", skip="--device cpu")
     results = Results("benchmarks.nccl_launch")
+    print(f"[nccl_launch] {args.world} ranks, {args.calls} allreduces of {args.numel} float32 per method, "
+          f"collective_timeout_s={args.timeout_s:g}", flush=True)
     with results.part("the launch latency run"):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         ranks = run_ranks(_bench, args.world, args.calls, args.blocks, args.numel, store.port, args.device,
-                          backend="nccl" if args.device == "cuda" else "gloo")
+                          tuple(args.methods), backend="nccl" if args.device == "cuda" else "gloo",
+                          collective_timeout_s=args.timeout_s)
     r0 = ranks[0]
     where = (torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU, gloo (dry run)")
     print(f"\n{where}, {args.world} ranks on one device; {r0['per_block']} allreduces of {args.numel} float32 per "

@@ -31,7 +31,7 @@ parameter``. A last table splits the median step into forward, backward (DDP
 waits for its allreduces at the end of backward) and ``step()`` (ours waits
 for its buckets there).
 
-    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3] [--device cuda] [--ddp-probe] [--fixed] [--no-strict] [--hotpath inline thread]
+    python -m benchmarks.step [--rows mlp4x1024@2 mlp4x1024@3 mlp10x2048@2 resnet18@2] [--blocks 15] [--steps 3] [--device cuda] [--ddp-probe] [--fixed] [--no-strict] [--hotpath inline thread] [--timeout-s 600]
 
 A row at world 1 (e.g. ``mlp4x1024@1``) compares with the plain, unwrapped optimizer instead of DDP: the cost of wrapping.
 
@@ -88,6 +88,7 @@ class Options:
     hotpath: tuple[str, ...] = ()
     count_steps: int = 3
     strict: bool = True
+    timeout_s: float = 600.0
 
 
 def _noop() -> None:
@@ -251,7 +252,8 @@ def _bench(name: str, port: int, opts: Options) -> dict:
 
 def _row(name: str, world: int, opts: Options) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = run_ranks(_bench, world, name, store.port, opts, backend="nccl" if opts.device == "cuda" else "gloo")
+    results = run_ranks(_bench, world, name, store.port, opts, backend="nccl" if opts.device == "cuda" else "gloo",
+                        collective_timeout_s=opts.timeout_s)
     r0 = results[0]
     times = r0["times"]
     med = statistics.median
@@ -301,7 +303,11 @@ def main() -> None:
                         help="cuda: also time ours with these NCCL bucket paths (docs/gpu.md)")
     parser.add_argument("--no-strict", action="store_true", help="leave out the strict_checks=True column")
     parser.add_argument("--count-steps", type=int, default=3, help="steps per method whose Python calls are counted")
+    parser.add_argument("--timeout-s", type=float, default=600.0,
+                        help="the rings' collective_timeout_s: a hung collective fails the row after it")
     args = parser.parse_args()
+    if args.timeout_s <= 0:
+        parser.error("--timeout-s must be > 0")
     if args.device == "cuda":
         require_nccl(benchmark="benchmarks.step", why="--device cuda (ours over elastic_ring's NCCL)",
                      skip="--device cpu")
@@ -318,7 +324,7 @@ def main() -> None:
     opts = Options(steps=args.steps, blocks=args.blocks, fixed=args.fixed, max_warmup=args.max_warmup,
                    fixed_first=None if args.fixed_first_mib is None else int(args.fixed_first_mib * 2**20),
                    device=args.device, ddp_probe=args.ddp_probe, hotpath=tuple(args.hotpath), count_steps=args.count_steps,
-                   strict=not args.no_strict)
+                   strict=not args.no_strict, timeout_s=args.timeout_s)
     rows: list[dict] = []
     for name, world in specs:  # a row that fails prints the tables of the rows before it, then the failure
         with Results("benchmarks.step").part(f"row {name}@{world}",

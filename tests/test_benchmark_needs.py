@@ -44,3 +44,23 @@ def test_a_failing_part_prints_what_was_measured_before_it(capsys):
     assert info.value.code == 1
     assert out.index("... part 1: 0.1 s") < out.index("demo: part 2 failed; what was measured before it:\npart 1: 0.1 s")
     assert "demo: part 2 failed with RuntimeError: the cluster went away" in err and "Traceback" in err
+
+
+def _fails_on_rank_1() -> int:
+    import elastic_ring as er
+
+    if er.rank() == 1:
+        raise ValueError("rank 1 cannot measure this")
+    return er.rank()
+
+
+def test_a_rank_that_raises_fails_the_run_at_once_with_its_traceback():
+    """benchmarks._launch.run_ranks names a failing rank within seconds (it used to wait 30 minutes for a result
+    that never came; a GPU script's timeout then ate the run without a word)."""
+    from benchmarks._launch import RankFailed, run_ranks
+
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 failed") as failed:
+        run_ranks(_fails_on_rank_1, 2, collective_timeout_s=10.0, timeout_s=60.0)
+    assert "ValueError: rank 1 cannot measure this" in str(failed.value)
+    assert time.monotonic() - started < 45

@@ -4,7 +4,9 @@ several passes, a parameter without a gradient, a collective of the loop's own b
 watchdog entry and one host wait per step, the trailer read back through pinned memory; a SIGKILLed peer and a
 SIGSTOPped one end a step within seconds / at collective_timeout_s; the launcher thread ends with its ring.
 
-Written without a GPU (2026-11-27, issue 30): the next task that draws one runs it (tests/gpu/run_on_gpu.sh)."""
+Written without a GPU (2026-11-27, issue 30). Its first GPU run: the ``inline`` case that ran passed, the ``thread``
+cases hung (the launcher grouped buckets by timing); the fix ran on CPU only (tests/test_nccl_lane_order.py). The
+next task that draws a GPU runs it per lane (tests/gpu/run_on_gpu.sh)."""
 
 import pathlib
 import signal
@@ -119,8 +121,8 @@ def test_bucket_paths_equal_the_default_path_and_one_process(gpu_ring, kind, pas
                            world_size=world, timeout_s=180)
     for info in results:
         assert info["path"] == "NcclBucketPath" and info["mode"] == mode, info
-        # 2 ranks: a + b in any order is exact; 3 ranks sum in an order that may depend on how NCCL splits a
-        # launch (the thread path groups what it finds queued), so there only to rounding
+        # 2 ranks: a + b in any order is exact; 3 ranks: only to rounding (every lane makes the same single
+        # ncclAllReduce per bucket, so bitwise equality is likely, but no GPU run has shown it yet)
         assert info["bitwise_equal_to_default"] if world == 2 else info["close_to_default"], info
         assert info["identical_on_every_rank"], info
         # one entry per step at most (more only if the watchdog saw a step's last bucket done between two launches)

@@ -18,9 +18,13 @@ its lock per bucket, then a host wait on every bucket's event in ``synchronize()
 ``inline`` launches on the caller's thread (the autograd thread): ``ncclAllReduce`` on the non-blocking
 communicator, then ``settle`` until NCCL's own launch thread enqueued the kernel. ``thread`` leaves the caller
 only the ready event and a ``SimpleQueue.put``: the communicator's :class:`~elastic_ring.backends.nccl.launcher.Launcher`
-thread launches in order, and the buckets it finds queued together go out in one ``ncclGroupStart/End`` (one
-settle for all; e.g. those ``synchronize()`` sends at once). Before any other collective the communicator
-drains its launcher, so no collective overtakes a queued bucket on one rank and not on another.
+thread launches the buckets one at a time, in order. Both make exactly one ``ncclAllReduce`` per bucket, in the
+order the reducer launches them (bucket index order, the same on every rank whatever order autograd produced the
+gradients in), and never group buckets: NCCL plans a group as a whole (protocol, channels), so a group is safe
+only when every rank groups the same buckets, and which buckets are ready together depends on each rank's timing
+(the GPU run of 2026-11-27; :mod:`~elastic_ring.backends.nccl.launcher`). Every launch on a communicator goes
+through one ordering point (:meth:`NcclCommunicator.drain_launcher`): before anything is launched on the
+caller's thread (another collective, an ``inline`` bucket), the buckets the launcher holds go out first.
 
 A failure (an NCCL error, a launch past ``collective_timeout_s``) fails and aborts the communicator: the
 caller's next launch or the step's wait raises :class:`~elastic_ring.core.errors.CommError` naming it.
@@ -55,7 +59,10 @@ class _BucketWork(Work):
         self._path.wait([self])
 
     def is_completed(self) -> bool:
-        return self._path.comm.errored or self._event.query()
+        if self._path.comm.errored:
+            return True
+        launcher = self._path._launcher  # a queued bucket's pooled event still holds an earlier step's record
+        return not (launcher is not None and launcher.pending) and self._event.query()
 
 
 class NcclBucketPath(BucketPath):
@@ -99,7 +106,8 @@ class NcclBucketPath(BucketPath):
         job = (self, tensor, ready, done, readback)
         try:
             if self._launcher is None:
-                launch_jobs(comm, [job])
+                comm.drain_launcher(self._timeout_s)  # another path's queued buckets go first (one ordering point)
+                launch_job(comm, job)
             else:
                 self._launcher.submit(job)
         except (NcclError, TimeoutError, LauncherFailed, RuntimeError) as exc:
@@ -145,38 +153,25 @@ def pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-def launch_jobs(comm: Communicator, jobs: list[tuple]) -> None:
-    """Launch ``jobs`` (``(path, tensor, ready, done, readback)``, in order) on ``comm``'s side stream: each waits
-    for its ready event, the collectives go out (several: in one group), then the trailer copies and the done
-    events; each path's watchdog entry moves to its last bucket. On the caller's thread (inline) or the
-    launcher's (thread)."""
+def launch_job(comm: Communicator, job: tuple) -> None:
+    """Launch one bucket ``job`` (``(path, tensor, ready, done, readback)``) on ``comm``'s side stream: wait for its
+    ready event, one ``ncclAllReduce`` (never inside a group: see the module's docstring), settle, the trailer's
+    copy back if it carries one, its done event; the path's watchdog entry moves to it. On the caller's thread
+    (inline) or the launcher's (thread)."""
     handle = comm._handle
     if handle is None:
         raise CommError(f"[{comm.spec.identity}] the NCCL communicator is not formed")
+    path, tensor, ready, done, readback = job
     stream = comm._stream
-    lib = handle.lib
-    calls = []
-    for path, tensor, ready, _, _ in jobs:
-        stream.wait_event(ready)
-        tensor.record_stream(stream)  # every launch: an address seen before may be another buffer by now
-        ptr = tensor.data_ptr()
-        calls.append((lib.all_reduce, (ptr, tensor.numel(), reduce_dtype(tensor.dtype), nccl_lib.SUM,
-                                       stream.cuda_stream)))
-    timeout_s = jobs[-1][0]._timeout_s
-    if len(calls) == 1:
-        status = handle.call("allreduce", calls[0][0], *calls[0][1])
-    else:
-        status = handle.call_group(f"allreduce of {len(calls)} buckets", calls)
-    if status == nccl_lib.IN_PROGRESS:  # NCCL enqueues the kernels from its own thread: the events come after
-        settle(handle, "allreduce", time.monotonic() + timeout_s)
-    last: dict[int, tuple] = {}
-    for job in jobs:
-        path, _, _, done, readback = job
-        if readback is not None:
-            with torch.cuda.stream(stream):
-                path._trailer_out.copy_(readback, non_blocking=True)
-            path._read_ready = True
-        done.record(stream)
-        last[id(path)] = job
-    for path, _, _, done, _ in last.values():
-        path.watch.launched(done.query)
+    stream.wait_event(ready)
+    tensor.record_stream(stream)  # every launch: an address seen before may be another buffer by now
+    status = handle.call("allreduce", handle.lib.all_reduce, tensor.data_ptr(), tensor.numel(),
+                         reduce_dtype(tensor.dtype), nccl_lib.SUM, stream.cuda_stream)
+    if status == nccl_lib.IN_PROGRESS:  # NCCL enqueues the kernel from its own thread: the events come after
+        settle(handle, "allreduce", time.monotonic() + path._timeout_s)
+    if readback is not None:
+        with torch.cuda.stream(stream):
+            path._trailer_out.copy_(readback, non_blocking=True)
+        path._read_ready = True
+    done.record(stream)
+    path.watch.launched(done.query)

@@ -51,7 +51,7 @@ from ...core.constants import NCCL_BUCKET_PATHS, NCCL_BUCKETS
 from ..base import BucketPath, Communicator, Work
 from ..formation import Formation
 from . import handle as nccl_handle, lib as nccl_lib, reform as nccl_reform
-from .bucket_path import NcclBucketPath, launch_jobs
+from .bucket_path import NcclBucketPath, launch_job
 from .codes import check_unique_id, reduce_dtype, reduce_op
 from .process_env import check_nonblocking_allowed, set_eager_connect, shared_gpu_env  # noqa: F401 (re-exported)
 from .handle import CommHandle, settle
@@ -347,9 +347,18 @@ class NcclCommunicator(Communicator):
             if self._launcher is None:
                 device = self._device
                 self._launcher = Launcher(f"elastic-ring-nccl-launcher-{self.spec.identity}",
-                                          run_batch=lambda jobs: launch_jobs(self, jobs),
+                                          run=lambda job: launch_job(self, job),
                                           on_error=self.fail, setup=lambda: torch.cuda.set_device(device))
             return self._launcher
+
+    def drain_launcher(self, timeout_s: float) -> None:
+        """The one ordering point of every launch on this communicator: before the calling thread launches
+        anything itself (another collective, an ``inline`` bucket), the buckets the launcher thread still holds go
+        out, so that they precede it on every rank. LauncherFailed if one of them failed, TimeoutError past
+        ``timeout_s``."""
+        launcher = self._launcher
+        if launcher is not None and launcher.pending:
+            launcher.drain(timeout_s)
 
     def _stop_launcher(self) -> None:
         launcher = self._launcher
@@ -360,9 +369,7 @@ class NcclCommunicator(Communicator):
         handle = self._handle
         if handle is None:
             raise CommError(f"[{self.spec.identity}] the NCCL communicator is not formed")
-        launcher = self._launcher
-        if launcher is not None and launcher.pending:  # queued buckets go first, on every rank
-            launcher.drain(timeout_s)
+        self.drain_launcher(timeout_s)  # queued buckets go first, on every rank
         stream = self._stream
         with torch.cuda.device(self._device):
             stream.wait_stream(torch.cuda.current_stream(self._device))

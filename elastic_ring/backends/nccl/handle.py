@@ -57,7 +57,9 @@ class CommHandle:
     def call_group(self, what: str, calls: list[tuple[Callable[..., int], tuple]]) -> int:
         """``fn(ptr, *args)`` for each of ``calls`` inside one ``ncclGroupStart`` / ``ncclGroupEnd`` (one launch for
         all), under the lock: the group's status (in progress: settle it). The group is always ended, also when a
-        call inside it fails (NcclError names that call)."""
+        call inside it fails (NcclError names that call). NCCL plans a group as a whole (sorted by size, protocol
+        and channels from the aggregated size), so every rank must group the same collectives in the same way:
+        never group what happened to be ready together (the bucket lanes do not, see ``launcher.py``)."""
         with self._lock:
             if self._ptr is None:
                 raise NcclError(what, INVALID_USAGE, "the communicator was aborted or destroyed")

@@ -4,9 +4,18 @@ The autograd thread must do nothing for a ready gradient bucket but enqueue it: 
 communicator answers every collective with ``ncclInProgress`` and starts a thread of its own for the launch,
 which the caller then polls (``settle``: about 150 us per bucket on the H100 of 2026-11-22). A
 :class:`Launcher` takes that off the caller: :meth:`Launcher.submit` puts a job on a ``SimpleQueue`` (no
-Python frame, no lock on the caller's side) and one daemon thread runs the jobs in submission order, so every
-rank launches its buckets in the same order. Jobs it finds queued together run as one batch
-(``run_batch(jobs)``: the bucket path launches them in one ``ncclGroupStart/End``, one settle for all).
+Python frame, no lock on the caller's side) and one daemon thread runs the jobs **one at a time, in submission
+order** (``run(job)``: one ``ncclAllReduce`` per bucket), so every rank makes the same NCCL calls in the same
+order whatever the timing.
+
+**Never batched.** The first version ran the jobs it found queued together in one ``ncclGroupStart/End``. Which
+jobs are queued together depends on each rank's timing, and NCCL plans a group as a whole: it sorts the group's
+collectives by size, picks the algorithm and protocol from their aggregated size and splits the channels by
+the group's total traffic (``ncclPrepareTasks`` / ``scheduleCollTasksToPlan`` in NCCL's ``enqueue.cc``). Two ranks
+that grouped the same buckets differently therefore moved them with different protocols or channels: the GPU
+run of 2026-11-27 hung until the watchdog (``thread``), or failed with NCCL's "message truncated: receiving
+524288 bytes instead of 65536" (a Simple protocol step met an LL one). A group is only safe when every rank
+groups the same collectives, which timing never guarantees.
 
 * :meth:`Launcher.drain` returns once every job submitted before it has run (a marker travels through the
   queue): the bucket path's step-end wait, and the communicator before any other collective, so that nothing
@@ -36,38 +45,45 @@ class LauncherFailed(RuntimeError):
 
 
 class Launcher:
-    """Runs batches of jobs in submission order on one thread. ``run_batch(jobs)`` gets a list of submitted jobs
-    (each a tuple); ``setup()`` runs first on the thread (e.g. makes the CUDA device current)."""
+    """Runs jobs one at a time in submission order on one thread. ``run(job)`` gets one submitted job (a tuple);
+    ``setup()`` runs first on the thread (e.g. makes the CUDA device current)."""
 
-    def __init__(self, name: str, run_batch: Callable[[list[tuple]], None],
+    def __init__(self, name: str, run: Callable[[tuple], None],
                  on_error: Callable[[BaseException], None], setup: Callable[[], None] | None = None) -> None:
-        self._run_batch, self._on_error, self._setup = run_batch, on_error, setup
+        self._run_job, self._on_error, self._setup = run, on_error, setup
         self._queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self.pending = 0  #: jobs submitted since the last drain (read by the caller; written by the caller only)
+        # Two counters, each written by one side only (no update is lost when a drain on one thread meets a
+        # submit on another): jobs submitted (callers), jobs the thread took off the queue (run or dropped).
+        self._submitted = 0
+        self._taken = 0
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ the caller's side
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet run (0: a drain has nothing to wait for)."""
+        return self._submitted - self._taken
+
     def submit(self, job: tuple) -> None:
         """Queue ``job`` after every earlier one; LauncherFailed if a job failed before, RuntimeError once stopped."""
         if self.error is not None:
             raise LauncherFailed(f"an earlier launch failed on the launcher thread: {self.error!r}") from self.error
         if self._stopped:
             raise RuntimeError("the bucket launcher was stopped (its communicator was closed or aborted)")
-        self.pending += 1
+        self._submitted += 1
         self._queue.put(job)
 
     def drain(self, timeout_s: float) -> None:
         """Return once every job submitted so far has run; LauncherFailed if one raised, TimeoutError past
         ``timeout_s`` (a launch that does not return: the watchdog aborts the communicator meanwhile)."""
-        if self.pending:
+        if self._submitted != self._taken:
             marker = threading.Event()
             self._queue.put(marker)
             if not marker.wait(timeout_s):
                 raise TimeoutError(f"the bucket launcher did not launch what was queued within {timeout_s:g} s")
-            self.pending = 0
         if self.error is not None:
             raise LauncherFailed(f"a launch failed on the launcher thread: {self.error!r}") from self.error
 
@@ -93,30 +109,19 @@ class Launcher:
                 self._setup()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
             self._fail(exc)
-        carried: object = None
         while True:
-            item = carried if carried is not None else self._queue.get()
-            carried = None
+            item = self._queue.get()
             if item is _STOP:
                 return
             if isinstance(item, threading.Event):  # a drain: every job before it ran
                 item.set()
                 continue
-            batch = [item]
-            while True:  # the jobs queued behind it run with it, up to a marker or the stop
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP or isinstance(item, threading.Event):
-                    carried = item
-                    break
-                batch.append(item)
             if self.error is None:
                 try:
-                    self._run_batch(batch)  # type: ignore[arg-type]
+                    self._run_job(item)  # type: ignore[arg-type]
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
                     self._fail(exc)
+            self._taken += 1
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc

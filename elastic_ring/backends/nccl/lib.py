@@ -171,9 +171,9 @@ class NcclLibrary:
         "ncclAllReduce": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
         "ncclBroadcast": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
         "ncclAllGather": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_void_p, _c_void_p]),
-        # A launcher thread groups the buckets it finds queued together (backends/nccl/bucket_path.py); a blocking
-        # child for bucket allreduces (docs/gpu.md, the launch design not taken yet) is measured by
-        # benchmarks.nccl_launch. Both exist from NCCL 2.18, below MIN_VERSION.
+        # Groups (CommHandle.call_group) and a blocking child for bucket allreduces (docs/gpu.md, the launch design
+        # not taken yet, measured by benchmarks.nccl_launch). The bucket lanes never group: a group is only safe
+        # when every rank groups the same collectives (launcher.py). Both exist from NCCL 2.18, below MIN_VERSION.
         "ncclGroupStart": (_c_int, []),
         "ncclGroupEnd": (_c_int, []),
         "ncclCommSplit": (_c_int, [_c_void_p, _c_int, _c_int, ctypes.POINTER(_c_void_p), ctypes.POINTER(Config)]),
