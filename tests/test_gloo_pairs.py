@@ -109,3 +109,38 @@ def test_without_an_abort_a_member_lost_before_the_first_collective_fails_the_fo
         assert f"round {n}" in r["message"] and "connect_timeout_s=2.0" in r["message"], r["message"]
         assert r["reform_s"] < CONNECT_S + 3 and r["total"] == [2.0, 2.0], r  # (waits for the other survivor)
     assert getattr(results[2], "type_name", None) == "ProcessDied", results[2]
+
+
+def test_a_group_whose_pairs_did_not_connect_dies_on_the_reaper_not_where_the_error_is_collected():
+    """A lazy group whose connecting barrier failed goes to the reaper, and nothing else keeps it: not a local of
+    the frame that raised (the traceback keeps those frames as long as the error lives). Else the group was
+    destroyed wherever the error was collected: on the training thread, in a garbage collection, blocked joining
+    gloo's thread that waits for a pair to a dead peer (the hang the full suite found with lazy pairs)."""
+    import gc
+    import weakref
+
+    from elastic_ring.backends import reaper
+
+    class Group:  # what _connect_pairs uses of a ProcessGroupGloo
+        aborted = False
+        barrier = staticmethod(int)  # fails in C as gloo's would (no Python frame of its own to hold the group)
+
+        def abort(self):
+            self.aborted = True
+
+    class Formation:
+        def remaining_s(self):
+            return 5.0
+
+    box = [Group()]
+    alive = weakref.ref(box[0])
+    spec = er.RingSpec(rank=0, world_size=2, round_id=1, store=er.StoreAddress("127.0.0.1", 1))
+    with pytest.raises(TypeError, match="BarrierOptions") as caught:
+        gloo._connect_pairs(box, Formation(), spec, "a lazy group")
+    assert box == [] and reaper.drain(5.0)
+    gc.disable()  # only references count here, not a collection
+    try:
+        assert caught.value.__traceback__ is not None  # the error, its traceback and frames still live...
+        assert alive() is None, [type(r) for r in gc.get_referrers(alive())]  # ...but the group died on the reaper's thread
+    finally:
+        gc.enable()

@@ -212,11 +212,14 @@ def _connect_pairs(box: list, formation: Formation, spec: RingSpec, label: str) 
                                 "never connected (it died, or cannot be reached at the address it published)")
     except BaseException:
         work = None
-        group = box.pop()
-        group.abort()
+        dying = [box.pop()]
+        dying[0].abort()
         # its teardown waits until gloo gives up a pair to a dead peer (up to five times the pair's timeout, a
-        # listener's wait that nothing interrupts); the exit hook does not wait for that
-        reaper.drop([group], f"{label} (its pairs did not connect)", 0.0)
+        # listener's wait that nothing interrupts); the exit hook does not wait for that. The reaper's box holds
+        # the only reference: no local of this frame may keep the group, or the traceback of the error raised
+        # here would (its frames live as long as the exception), and the group would be destroyed wherever the
+        # exception is collected: on the training thread, in a garbage collection, blocked in that teardown
+        reaper.drop(dying, f"{label} (its pairs did not connect)", 0.0)
         raise
 
 
