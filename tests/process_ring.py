@@ -38,10 +38,18 @@ class RankFailure:
 
 
 def use_lazy_gloo_pairs() -> None:
-    """A ProcessRing ``setup``: this rank's gloo rings connect their pairs at first use (ELASTIC_RING_GLOO_LAZY=1)."""
+    """A ProcessRing ``setup``: this rank's gloo rings connect their pairs at first use (ELASTIC_RING_GLOO_LAZY=1,
+    the default), whatever the environment of the test run says."""
     from elastic_ring.core import constants
 
     constants.GLOO_LAZY_PAIRS = True
+
+
+def use_full_mesh_gloo_pairs() -> None:
+    """A ProcessRing ``setup``: this rank's gloo rings connect every pair at construction (ELASTIC_RING_GLOO_LAZY=0)."""
+    from elastic_ring.core import constants
+
+    constants.GLOO_LAZY_PAIRS = False
 
 
 class RingTaskError(AssertionError):

@@ -23,10 +23,9 @@ import torch.distributed as dist
 
 import elastic_ring as er
 from elastic_ring.backends import arrival, formation
-from elastic_ring.core import constants
 from elastic_ring.core.auth import AuthenticatedStore
 from elastic_ring.ring import runtime
-from tests.process_ring import TEST_SECRET, ProcessRing, use_lazy_gloo_pairs
+from tests.process_ring import TEST_SECRET, ProcessRing, use_full_mesh_gloo_pairs, use_lazy_gloo_pairs
 
 HOST = "127.0.0.1"
 #: What the tests allow between abort_round and the CommError in the blocked thread (the brief: about 1 s).
@@ -124,18 +123,25 @@ def _form_without_rank_2(port: int, victim: str, n: int, m: int) -> dict | str:
 
 
 @pytest.fixture(scope="module")
+def mesh_ring():
+    """Ranks whose gloo rings connect every pair at construction (ELASTIC_RING_GLOO_LAZY=0)."""
+    pool = ProcessRing(3, setup=use_full_mesh_gloo_pairs)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
 def lazy_ring():
-    """Ranks whose gloo rings connect their pairs at first use (ELASTIC_RING_GLOO_LAZY=1, opt-in): of their own, so
-    that what an abandoned lazy formation leaves in a process ends with this module."""
+    """Ranks whose gloo rings connect their pairs at first use (ELASTIC_RING_GLOO_LAZY=1, the default) whatever the
+    environment says."""
     pool = ProcessRing(3, setup=use_lazy_gloo_pairs)
     yield pool
     pool.close()
 
 
 @pytest.mark.parametrize("victim", ["never_arrives", "dies_after_arrival"])
-def test_abort_round_interrupts_a_formation_missing_a_member(ring, victim):
-    assert not constants.GLOO_LAZY_PAIRS  # the session's ranks form gloo's full mesh (the default)
-    _interrupts_a_formation_missing_a_member(ring, victim)
+def test_abort_round_interrupts_a_full_mesh_formation_missing_a_member(mesh_ring, victim):
+    _interrupts_a_formation_missing_a_member(mesh_ring, victim)
 
 
 @pytest.mark.parametrize("victim", ["never_arrives", "dies_after_arrival", "dies_before_its_first_collective"])

@@ -16,8 +16,7 @@ Forming goes through :class:`~elastic_ring.backends.formation.Formation`: an arr
 barrier, then the group's construction, on a helper thread that is abandoned
 when the round is aborted (a group that forms after that goes to the reaper).
 
-**Pairs connected at first use** (``ELASTIC_RING_GLOO_LAZY=1``, opt-in: a process that went through an abandoned
-lazy formation was seen to hang in a later recovery). A
+**Pairs connected at first use** (``ELASTIC_RING_GLOO_LAZY=1``, the default; ``0``: gloo's full mesh). A
 group built with gloo's default devices connects a full mesh at construction:
 each rank reads every rank's address from the store and connects every pair,
 one after the other (O(n) per rank, O(n²) store reads in all; measured 0.45 s

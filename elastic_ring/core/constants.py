@@ -115,4 +115,4 @@ GLOO_THREADS: int = _env_int("ELASTIC_RING_GLOO_THREADS", 2)
 #: Whether a gloo ring connects its pairs at first use (lazy devices, then one barrier that connects every pair
 #: the ring's collectives use: 2·log2(n) per rank) instead of gloo's full mesh at construction (n - 1 per rank,
 #: O(n²) store reads per round). Read when a ring forms.
-GLOO_LAZY_PAIRS: bool = _env_bool("ELASTIC_RING_GLOO_LAZY", False)
+GLOO_LAZY_PAIRS: bool = _env_bool("ELASTIC_RING_GLOO_LAZY", True)
