@@ -30,6 +30,12 @@ LEASE_TTL_RANGE_S = (1.0, 120.0)
 #: a ring failed).
 WORKER_ERRORS = ("fail", "replace")
 
+#: How heartbeats reach the driver (``TrainerConfig.heartbeats``): "worker", one message per worker and interval;
+#: "node", one per Ray node and interval, forwarded by one of its workers; "auto", "node" from
+#: NODE_HEARTBEATS_FROM max_workers on (below that the driver's inbox is nowhere near busy: docs/performance.md).
+HEARTBEATS = ("auto", "worker", "node")
+NODE_HEARTBEATS_FROM = 64
+
 #: A member that neither heartbeats nor reaches the rendezvous for this many heartbeat intervals,
 #: while its peers report a failure, is presumed dead (a lost node can take Ray many seconds to declare).
 SUSPECT_AFTER_INTERVALS = 3
@@ -135,6 +141,7 @@ class TrainerConfig:
     nccl_reform: str = "init"
     worker_errors: str = "fail"
     write_on_notice: bool = True
+    heartbeats: str = "auto"
 
     def __post_init__(self) -> None:
         check_int(_OWNER, "min_workers", self.min_workers, minimum=1)
@@ -178,6 +185,10 @@ class TrainerConfig:
         if self.nccl_reform != "init" and not self.use_gpu:
             raise ValueError(f"ElasticTrainer nccl_reform={self.nccl_reform!r} re-forms NCCL communicators, which only "
                              "a GPU job has: set use_gpu=True, or drop nccl_reform (gloo re-forms in milliseconds)")
+        if self.heartbeats not in HEARTBEATS:
+            raise ValueError(f"ElasticTrainer heartbeats={self.heartbeats!r} is unknown; use 'worker' (each worker "
+                             "sends its own), 'node' (one worker per node forwards its node's) or 'auto' ('node' from "
+                             f"max_workers={NODE_HEARTBEATS_FROM} on)")
         if self.worker_errors not in WORKER_ERRORS:
             raise ValueError(f"ElasticTrainer worker_errors={self.worker_errors!r} is unknown; use 'fail' (fn "
                              "raising on any worker ends the run with that error) or 'replace' (Horovod's elastic "
@@ -244,6 +255,13 @@ class TrainerConfig:
         stalled driver (a GC pause, a starved head node) loses no worker; a driver that is gone ends its
         actors through Ray anyway."""
         return max(DRIVER_SILENCE_MIN_S, 3 * self.heartbeat_timeout_s)
+
+    @property
+    def heartbeat_mode(self) -> str:
+        """``heartbeats`` resolved: "worker" or "node"."""
+        if self.heartbeats != "auto":
+            return self.heartbeats
+        return "node" if self.max_workers >= NODE_HEARTBEATS_FROM else "worker"
 
     @property
     def worker_gpus(self) -> float:

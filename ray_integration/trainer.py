@@ -23,7 +23,7 @@ from state.checkpoints.store import CheckpointStore
 from .config import TrainerConfig
 from .driver.events import Event, EventLog
 from .driver.loop import Driver
-from .driver.mailroom import Mailroom, RoundKeys, acknowledge, take_last_messages
+from .driver.mailroom import Acknowledger, Mailroom, RoundKeys, take_last_messages
 from .driver.pool import WorkerPool
 from .driver.progress import ProgressDisplay
 from .driver.states import Failed, Finished, Stopped
@@ -224,7 +224,8 @@ class ElasticTrainer:
                                       flush_timeout_s=self.config.stop_timeout_s,
                                       checkpoint=checkpointing,
                                       use_gpu=self.config.use_gpu, timeline=timeline is not None,
-                                      tune_allocator=self.config.tune_allocator, datasets=prepared)
+                                      tune_allocator=self.config.tune_allocator, datasets=prepared,
+                                      heartbeats=self.config.heartbeat_mode)
             pool = WorkerPool(self.config, send, host, server.address.port, keys, secret, fn, config or {}, settings)
             pool.receive = receive  # its forged-message count names tampering in the driver's errors
             driver = Driver(self.config, pool, host, events, wakeups)
@@ -244,7 +245,8 @@ class ElasticTrainer:
             if timeline is not None:
                 cleanup.callback(lambda: _log.info("timeline written to %s", timeline.write(events.events)))
             cleanup.callback(pool.shutdown, "the job ended")
-            inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: acknowledge(send, keys, msg))
+            inbox = Inbox(receive, keys.driver_inbox, wakeups,
+                          on_message=Acknowledger(send, keys, self.config.heartbeat_interval_s))
             inbox.start()
             cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, DriverKind.WAKE))
             cleanup.callback(progress.close)

@@ -68,17 +68,39 @@ def take_last_messages(pool: WorkerPool, wakeups: "queue.SimpleQueue[tuple[str, 
             return
         if kind == "msg":
             pool.apply(payload)
-            if WorkerKind.of(payload) is not WorkerKind.HEARTBEAT:
+            if WorkerKind.of(payload) not in (WorkerKind.HEARTBEAT, WorkerKind.NODE_HEARTBEAT):
                 quiet = time.monotonic() + LAST_MESSAGES_QUIET_S
         elif kind == "error":
             _log.warning("after the job ended: %s", payload)
 
 
-def acknowledge(send: Channel, keys: Keys, msg: dict) -> None:
-    """Tell a worker waiting at the rendezvous that the driver is alive (from the inbox thread)."""
-    waiting = msg.get("waiting") if WorkerKind.of(msg) is WorkerKind.HEARTBEAT else None
-    if isinstance(waiting, int) and waiting > 0:
-        send.send(keys.worker_inbox(msg["from"]), DriverKind.PENDING, generation=waiting)
+class Acknowledger:
+    """Tells workers waiting at the rendezvous that the driver is alive (``pending``), from the inbox thread: for
+    their heartbeats (``hb``, or each one inside a ``node_hb``), at most once per worker per ``every_s`` (a driver
+    behind its inbox reads a worker's queued heartbeats in a burst; one word per interval is all a worker needs,
+    and it gives up only after ``driver_silence_s``)."""
+
+    def __init__(self, send: Channel, keys: Keys, every_s: float) -> None:
+        self._send, self._keys, self._every_s = send, keys, every_s
+        self._last: dict[str, float] = {}  # worker id -> when it was last told (driver clock)
+
+    def __call__(self, msg: dict) -> None:
+        kind = WorkerKind.of(msg)
+        if kind is WorkerKind.HEARTBEAT:
+            self._pending(msg["from"], msg.get("waiting"))
+        elif kind is WorkerKind.NODE_HEARTBEAT and isinstance(msg.get("beats"), dict):
+            for worker_id, beat in msg["beats"].items():  # (a pending only says the driver is alive: no node check)
+                if isinstance(beat, dict):
+                    self._pending(str(worker_id), beat.get("waiting"))
+
+    def _pending(self, worker_id: str, waiting: Any) -> None:
+        if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting <= 0:
+            return
+        now = time.monotonic()
+        if now - self._last.get(worker_id, float("-inf")) < self._every_s:
+            return
+        self._last[worker_id] = now
+        self._send.send(self._keys.worker_inbox(worker_id), DriverKind.PENDING, generation=waiting)
 
 
 class RoundKeys:

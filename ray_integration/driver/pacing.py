@@ -11,9 +11,9 @@ computes its quorum on a fixed tick.
 from __future__ import annotations
 
 #: The kinds of worker message that ask for no step unless applying them brought a new ring request: a heartbeat
-#: (its counter, its ``synced`` flag), ``synced`` (every member sends one after each round's sync: N at once, and
+#: (its counter, its ``synced`` flag; or a node's heartbeats in one ``node_hb``), ``synced`` (every member sends one after each round's sync: N at once, and
 #: no decision needs it before the next tick), rank 0's reports and timeline batches (the trainer consumes them).
-BACKGROUND_KINDS = frozenset({"hb", "synced", "report", "timeline"})
+BACKGROUND_KINDS = frozenset({"hb", "node_hb", "synced", "report", "timeline"})
 
 
 def wakes_states(kind: str, changed: bool) -> bool:

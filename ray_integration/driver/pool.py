@@ -52,6 +52,7 @@ class WorkerPool:
         self.persists = PersistLog()  # the writes the driver asked for (drains), by number, from the workers' events
         self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
         self.inbox_delay_s = 0.0  # how far behind the driver reads its inbox (set by its loop: wire.InboxProbe)
+        self.foreign_beats = 0  # node_hb entries refused: a worker unknown, dead or on another node than the sender
 
     # ------------------------------------------------------------ effects
     def request(self, count: int) -> None:
@@ -234,6 +235,22 @@ class WorkerPool:
                 record.answered_at, record.resends = now, record.resends + 1
         return changed
 
+    def _node_heartbeat(self, sender: WorkerRecord, msg: dict, now: float) -> bool:
+        """A node's heartbeats forwarded by ``sender`` (``heartbeats="node"``): each applied as its worker's own,
+        but only for live workers that Ray placed on the sender's node (a member of the job cannot keep another
+        node's workers alive); the rest are ignored and counted (``foreign_beats``)."""
+        beats, changed = msg.get("beats"), False
+        if not isinstance(beats, dict) or sender.info is None:
+            return False
+        for worker_id, beat in beats.items():
+            record = self.records.get(worker_id)
+            if record is None or record.dead or record.info is None or record.node_id != sender.node_id or \
+                    not isinstance(beat, dict):
+                self.foreign_beats += 1
+                continue
+            changed = self._heartbeat(record, beat, now) or changed
+        return changed
+
     def _ring_request(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         return self._note_request(record, msg.get("generation"), msg.get("reason"))
 
@@ -338,7 +355,8 @@ class WorkerPool:
 
 
 #: The pool's method for each kind of a worker's message (:meth:`WorkerPool.apply`).
-_HANDLERS = {WorkerKind.HEARTBEAT: WorkerPool._heartbeat, WorkerKind.RING_REQUEST: WorkerPool._ring_request,
+_HANDLERS = {WorkerKind.HEARTBEAT: WorkerPool._heartbeat, WorkerKind.NODE_HEARTBEAT: WorkerPool._node_heartbeat,
+             WorkerKind.RING_REQUEST: WorkerPool._ring_request,
              WorkerKind.SYNCED: WorkerPool._synced, WorkerKind.REPORT: WorkerPool._report,
              WorkerKind.TIMELINE: WorkerPool._timeline, WorkerKind.RESUMED: WorkerPool._resumed,
              WorkerKind.CHECKPOINT: WorkerPool._checkpoint, WorkerKind.FAULT: WorkerPool._fault}

@@ -16,6 +16,11 @@ Worker -> driver (queue ``{job}/driver``):
   generation and ``reason``. The driver times silence on its own monotonic
   clock (time since the counter last advanced); no clocks are compared across
   hosts. A repeated ``waiting`` also recovers a lost request or answer.
+* ``node_hb``: one worker's forward of its Ray node's heartbeats (``ElasticTrainer(heartbeats="node")``:
+  :mod:`ray_integration.worker.node_beats`): ``beats`` maps worker ids to what each one's ``hb`` would carry
+  (``seq``, ``synced``, ``waiting``, ``reason``). The driver applies each as that worker's heartbeat, but only for
+  workers its records place on the sender's node (others are ignored and counted). A worker whose node's forwarder
+  stalls sends its own ``hb`` meanwhile.
 * ``ring_request``: ``generation``, ``reason`` (``start``, ``failure``, ``membership``);
 * ``synced``: the worker completed a sync (it holds the job's state from now on);
 * ``report``: one of rank 0's ``er.report`` records;
@@ -31,7 +36,7 @@ Driver -> worker (queue ``{job}/w/{worker_id}``):
   right after the sync, written durably, and end);
 * ``stop``: ``generation``, ``why``: this worker is in no next ring;
 * ``pending``: ``generation``: the driver is alive and still deciding (sent for
-  every heartbeat of a waiting worker). A worker gives up waiting only after
+  a waiting worker's heartbeats, at most once per worker per heartbeat interval). A worker gives up waiting only after
   ``heartbeat_timeout_s`` without any word from the driver.
 
 Notices about the *current* ring (re-form at the next commit, persist it, stop
@@ -65,6 +70,7 @@ class WorkerKind(_Kind):
     """What a worker sends to the driver (queue ``{job}/driver``)."""
 
     HEARTBEAT = "hb"
+    NODE_HEARTBEAT = "node_hb"
     RING_REQUEST = "ring_request"
     SYNCED = "synced"
     REPORT = "report"

@@ -10,6 +10,8 @@ from elastic_ring.core.validation import check_bool, check_number
 from state import CheckpointConfig
 
 _OWNER = "WorkerSettings"
+#: How the workers' heartbeats reach the driver (resolved: ElasticTrainer's "auto" is one of these).
+HEARTBEAT_MODES = ("worker", "node")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class WorkerSettings:
     ``tune_allocator``: keep freed gradient-sized blocks in the heap (no page faults per step).
     ``datasets``: what :func:`ray_integration.data.prepare_datasets` made of ``ElasticTrainer(datasets=...)``, or
     None (checked by :func:`ray_integration.data.install` on the worker).
+    ``heartbeats``: ``"worker"`` (each worker sends its own) or ``"node"`` (one worker per Ray node forwards its
+    node's: :mod:`ray_integration.worker.node_beats`); ``ElasticTrainer(heartbeats=...)`` resolved.
     """
 
     driver_silence_s: float
@@ -33,6 +37,7 @@ class WorkerSettings:
     timeline: bool = False
     tune_allocator: bool = True
     datasets: Any = None
+    heartbeats: str = "worker"
 
     def __post_init__(self) -> None:
         check_number(_OWNER, "driver_silence_s", self.driver_silence_s, unit="seconds")
@@ -41,3 +46,5 @@ class WorkerSettings:
             raise TypeError(f"WorkerSettings checkpoint={self.checkpoint!r} must be a state.CheckpointConfig or None")
         for name in ("use_gpu", "timeline", "tune_allocator"):
             check_bool(_OWNER, name, getattr(self, name))
+        if self.heartbeats not in HEARTBEAT_MODES:
+            raise ValueError(f"WorkerSettings heartbeats={self.heartbeats!r} must be one of {HEARTBEAT_MODES}")

@@ -2,7 +2,9 @@
 
 It is threaded (``max_concurrency``) so that the driver can reach it while
 ``fn`` runs. A heartbeat thread sends the driver a counter (and the generation
-it waits for, while at the rendezvous) and the timeline events; the elastic
+it waits for, while at the rendezvous) and the timeline events (with
+``heartbeats="node"``, one worker per node forwards its node's counters:
+:mod:`.node_beats`); the elastic
 loop's rendezvous (:mod:`.rendezvous`) asks the driver for rings.
 ``er.report`` records of rank 0, the resume info and checkpoint events go to
 the driver as sealed messages too. The job's secret arrives with the actor's
@@ -41,6 +43,7 @@ from ..wire.launch_env import horovod_environment
 from ..wire.protocol import Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
+from .node_beats import NodeBeats, Tick
 from .preemption_info import preemption_info
 from .rendezvous import WorkerRendezvous
 
@@ -129,6 +132,9 @@ class RingWorker:
         self._interval_s = heartbeat_interval_s
         self._stop = threading.Event()
         self._beats = 0
+        self._job_id = job_id
+        self._node_beats: NodeBeats | None = None  # heartbeats="node", once the settings say so (_install)
+        self._beat_lock = threading.Lock()  # the node's beats: the heartbeat thread and run's end
         self._beat()
         threading.Thread(target=self._heartbeat, name="elastic-ring-heartbeat", daemon=True).start()
 
@@ -137,8 +143,34 @@ class RingWorker:
         self._beats += 1
         waiting = self._rendezvous.waiting if self._rendezvous is not None else None
         synced = self._rendezvous is not None and self._rendezvous.holds_state
-        self._send.send(self._keys.driver_inbox, WorkerKind.HEARTBEAT, seq=self._beats, synced=synced,
-                        waiting=waiting[0] if waiting else 0, reason=waiting[1] if waiting else None)
+        beat = {"seq": self._beats, "synced": synced, "waiting": waiting[0] if waiting else 0,
+                "reason": waiting[1] if waiting else None}
+        with self._beat_lock:
+            tick = self._node_tick(beat)
+            if tick.direct:
+                self._send.send(self._keys.driver_inbox, WorkerKind.HEARTBEAT, **beat)
+            if tick.forward:
+                self._send.send(self._keys.driver_inbox, WorkerKind.NODE_HEARTBEAT, beats=tick.forward)
+                self._node_beats.forwarded()
+
+    def _node_tick(self, beat: dict) -> Tick:
+        """What to send for ``beat``: the node's beats (:mod:`.node_beats`), or its own ``hb`` alone."""
+        if self._node_beats is None:
+            return Tick(direct=True)
+        try:
+            return self._node_beats.tick(beat)
+        except OSError as exc:  # the node's directory failed us: beat directly, as heartbeats="worker"
+            _log.warning("worker %s: node heartbeats failed (%s); sending its own from now on", self.worker_id, exc)
+            self._close_node_beats()
+            return Tick(direct=True)
+
+    def _close_node_beats(self) -> None:
+        beats, self._node_beats = self._node_beats, None
+        if beats is not None:
+            try:
+                beats.close()
+            except OSError as exc:
+                _log.warning("worker %s: cleaning up its node heartbeat files failed: %s", self.worker_id, exc)
 
     def _heartbeat(self) -> None:
         try:
@@ -148,7 +180,11 @@ class RingWorker:
                     self._flush_timeline()
                 except (RuntimeError, OSError) as exc:  # the store is unreachable for now: keep beating
                     _log.warning("worker %s: heartbeat failed (%s); trying again", self.worker_id, exc)
+            with self._beat_lock:
+                self._close_node_beats()  # stop_heartbeat: its file goes, the leader gives up the lock
         except BaseException as exc:  # surfaced to the driver, which then names it when it declares us dead
+            with self._beat_lock:
+                self._close_node_beats()
             try:
                 self._send.send(self._keys.driver_inbox, WorkerKind.FAULT, what="heartbeat thread",
                                 error=f"{type(exc).__name__}: {exc}")
@@ -197,6 +233,14 @@ class RingWorker:
                                                               event=event))
         data_input.install(settings.datasets)  # ElasticTrainer(datasets=...): get_dataset_shard(name) in fn
         self._flush_timeout_s = settings.flush_timeout_s
+        if settings.heartbeats == "node":
+            try:
+                node_beats = NodeBeats(self._job_id, self.node_id, self.worker_id, self._secret, self._interval_s)
+            except OSError as exc:  # no private directory on this node: this worker beats on its own
+                _log.warning("worker %s: node heartbeats unavailable (%s); sending its own", self.worker_id, exc)
+            else:
+                with self._beat_lock:
+                    self._node_beats = node_beats
         if settings.tune_allocator:
             allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
         progress.clear()
@@ -226,6 +270,8 @@ class RingWorker:
                 raise WorkerGaveUp(f"worker {self.worker_id} on {self.hostname}: {exc}") from None
             raise self._error(exc) from None
         finally:
+            with self._beat_lock:  # it leaves the job: no forwarding, its beat file goes (it beats on its own)
+                self._close_node_beats()
             er.shutdown()
             er.elastic.set_rendezvous(None)
             self._flush_timeline()
