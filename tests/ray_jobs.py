@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -60,7 +61,9 @@ def train(config: dict):
                 if config.get("raise_at_step") == state.step and er.rank() == config.get("raise_rank", 0):
                     raise ValueError(f"user bug at step {state.step}")
                 for rnd, rank, step, kind in faults:
-                    if er.round_id() == rnd and er.rank() == rank and state.step == step:
+                    if kind.endswith("_forwarder") and er.round_id() == rnd and state.step == step:
+                        forwarder_fault(kind, config["forwarder_file"])  # on whichever rank forwards the beats
+                    elif er.round_id() == rnd and er.rank() == rank and state.step == step:
                         if kind == "hang":  # stuck in user code; the heartbeat thread keeps running
                             time.sleep(10**6)
                         if kind == "rendezvous":  # this worker loses the driver's store for good
@@ -101,6 +104,27 @@ def train(config: dict):
                 "round": er.round_id(), "resumed_from": state.resumed_from}
 
     return loop(state)
+
+
+def forwarder_fault(kind: str, note: str) -> None:
+    """``heartbeats="node"``: if this worker process forwards its node's heartbeats (the leader's stamp names its
+    pid), write its worker id to ``note``, then SIGSTOP (``stop_forwarder``) or SIGKILL (``kill_forwarder``) it."""
+    import ray
+
+    from elastic_ring.ring import runtime
+    from ray_integration.worker.node_beats import STAMP_NAME, node_directory
+
+    path = os.path.join(node_directory(runtime.current().spec.job_id, ray.get_runtime_context().get_node_id()),
+                        STAMP_NAME)
+    deadline = time.monotonic() + 5.0
+    while not os.path.exists(path) and time.monotonic() < deadline:  # the leader's first forward
+        time.sleep(0.05)
+    with open(path) as f:
+        stamp = json.loads(f.read()[64:])  # (after its MAC: the test only looks)
+    if stamp["pid"] == os.getpid():
+        with open(note, "w") as f:
+            f.write(stamp["worker"])
+        os.kill(os.getpid(), signal.SIGSTOP if kind == "stop_forwarder" else signal.SIGKILL)
 
 
 def train_loss_logged(config: dict):

@@ -189,6 +189,22 @@ def test_a_dead_workers_stale_file_does_not_advance_its_counter(tmp_path):
         gone.close()
 
 
+def test_a_dead_workers_file_is_deleted_and_keeps_no_directory(tmp_path):
+    secret = new_secret()
+    leader = NodeBeats(JOB, NODE, "a", secret, INTERVAL_S, root=str(tmp_path))
+    gone = NodeBeats(JOB, NODE, "b", secret, INTERVAL_S, root=str(tmp_path))
+    leader.tick({"seq": 1})
+    gone.tick({"seq": 1})  # then its process is killed: no close()
+    dead = os.path.join(gone.directory, "b.beat")
+    os.utime(dead, (time.time() - 5 * INTERVAL_S,) * 2)  # not rewritten for 5 intervals
+    assert leader.tick({"seq": 2}).forward == {"a": {"seq": 2}} and not os.path.exists(dead)
+    also_gone = NodeBeats(JOB, NODE, "c", secret, INTERVAL_S, root=str(tmp_path))
+    also_gone.tick({"seq": 1})
+    os.utime(os.path.join(leader.directory, "c.beat"), (time.time() - 5 * INTERVAL_S,) * 2)
+    leader.close()  # the last live one: c's old file does not keep the directory (nor the job's)
+    assert not os.path.exists(os.path.dirname(leader.directory)), os.listdir(leader.directory)
+
+
 def test_separate_instances_in_one_process_exclude_each_other(tmp_path):
     secret = new_secret()
     many = [NodeBeats(JOB, NODE, f"w{i}", secret, INTERVAL_S, root=str(tmp_path)) for i in range(4)]

@@ -11,7 +11,8 @@ keyed by the Ray node id, so that beats never cross Ray nodes even when several 
   releases it when the holder's process dies). Every other worker tries to take it, without waiting, on each of
   its ticks. The leader reads every beat file, keeps those whose seal checks (a stranger's or a damaged file is
   ignored and counted) and whose counter advanced since it last forwarded them, and sends them as ONE message;
-  then it writes a sealed freshness stamp (``time.monotonic()``: the same host's clock for every process here);
+  then it writes a sealed freshness stamp (``time.monotonic()``: the same host's clock for every process here;
+  and who forwards: its worker id and process id);
 * a worker that is not the leader and finds the stamp missing or older than :data:`STALE_INTERVALS` intervals (a
   stopped, starved or dying leader) sends its own ``hb`` directly, as in ``heartbeats="worker"``: a stalled leader
   silences its node-mates for about one interval at most, never long enough for the driver's silence rules.
@@ -40,6 +41,9 @@ _log = get_logger(__name__)
 STALE_INTERVALS = 1.5
 BEAT_SUFFIX = ".beat"
 LOCK_NAME, STAMP_NAME = "leader.lock", "stamp"
+#: A beat file not rewritten for this many intervals is a dead worker's (a live one rewrites it every interval):
+#: the leader deletes it, and it keeps no directory from being cleaned up.
+DEAD_FILE_INTERVALS = 4
 #: A beat file is a few hundred bytes; anything much larger is not one.
 MAX_BEAT_BYTES = 4096
 
@@ -100,13 +104,16 @@ class NodeBeats:
         self._write(self._file, seal_json(self._secret, self._beat_name(self.worker_id), beat))
         if not self.leader:
             self.leader = self._try_lead()
+            if self.leader:
+                _log.info("worker %s forwards the heartbeats of node %s", self.worker_id, self.node_id[:12])
         if self.leader:
             return Tick(direct=False, forward=self.collect())
         return Tick(direct=self.leader_stale(time.monotonic()))
 
     def forwarded(self) -> None:
         """The leader sent its ``node_hb``: its node-mates need not beat directly."""
-        self._write(self._stamp, seal_json(self._secret, self._stamp_name(), {"at": time.monotonic()}))
+        self._write(self._stamp, seal_json(self._secret, self._stamp_name(),
+                                           {"at": time.monotonic(), "worker": self.worker_id, "pid": os.getpid()}))
 
     def _try_lead(self) -> bool:
         try:
@@ -114,7 +121,6 @@ class NodeBeats:
         except filelock.Timeout:
             return False
         self._forwarded_seq.clear()  # a new leader forwards every live beat once
-        _log.info("worker %s leads the heartbeats of node %s", self.worker_id, self.node_id[:12])
         return True
 
     def leader_stale(self, now: float) -> bool:
@@ -130,16 +136,9 @@ class NodeBeats:
     def collect(self) -> dict[str, dict]:
         """Every node-mate's beat whose seal checks and whose ``seq`` advanced since this leader forwarded it."""
         beats: dict[str, dict] = {}
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return beats
-        for name in names:
-            if not name.endswith(BEAT_SUFFIX):
-                continue
-            worker_id = name[: -len(BEAT_SUFFIX)]
+        for worker_id, path in self._beat_files():
             try:
-                with open(os.path.join(self.directory, name), "rb") as f:
+                with open(path, "rb") as f:
                     beat = unseal_json(self._secret, self._beat_name(worker_id), f.read(MAX_BEAT_BYTES))
             except FileNotFoundError:
                 continue  # its worker closed meanwhile
@@ -153,6 +152,26 @@ class NodeBeats:
                 self._forwarded_seq[worker_id] = beat["seq"]
                 beats[worker_id] = beat
         return beats
+
+    def _beat_files(self) -> list[tuple[str, str]]:
+        """(worker id, path) of every beat file written within DEAD_FILE_INTERVALS intervals; older ones (their
+        workers died) are deleted. (Their age is read on this host's clock, the one that wrote them.)"""
+        try:
+            names = [n for n in os.listdir(self.directory) if n.endswith(BEAT_SUFFIX)]
+        except FileNotFoundError:
+            return []
+        files, oldest = [], time.time() - DEAD_FILE_INTERVALS * self._interval_s
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                if os.stat(path).st_mtime < oldest:
+                    os.remove(path)
+                    self._forwarded_seq.pop(name[: -len(BEAT_SUFFIX)], None)
+                    continue
+            except FileNotFoundError:
+                continue
+            files.append((name[: -len(BEAT_SUFFIX)], path))
+        return files
 
     def _write(self, path: str, text: str) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -175,15 +194,16 @@ class NodeBeats:
                 pass
         if self.leader or self._try_lead():
             try:
-                if not any(n.endswith(BEAT_SUFFIX) for n in os.listdir(self.directory)):
+                if not self._beat_files():
                     for name in (STAMP_NAME, LOCK_NAME):
                         try:
                             os.remove(os.path.join(self.directory, name))
                         except FileNotFoundError:
                             pass
                     os.rmdir(self.directory)
+                    os.rmdir(os.path.dirname(self.directory))  # the job's, once its last node here is gone
             except OSError:
-                pass  # someone else arrived meanwhile: they clean up later
+                pass  # someone else arrived meanwhile (they clean up later), or another node's directory is left
             finally:
                 self._lock.release(force=True)
                 self.leader = False
