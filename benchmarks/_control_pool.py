@@ -12,7 +12,8 @@ stops, the inbox backlog: all inherited, unchanged), with the methods that talk 
 * ``kill`` tells the worker's process to drop it; ``probe`` answers at once from the scenario's truth;
 * ``draining_nodes`` returns the scenario's drains instead of asking Ray's GCS.
 
-It also measures: the time of each ring answer, and each heartbeat's lag from its send to the driver applying it.
+It also measures: the time of each ring answer, and each heartbeat's lag from its send to the driver applying it
+(a ``node_hb``'s: from its forwarder's send).
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ class SimPool(WorkerPool):
 
     def apply(self, msg: dict) -> bool:
         kind = WorkerKind.of(msg)
-        if kind is WorkerKind.HEARTBEAT or kind is WorkerKind.REPORT:
+        if kind in (WorkerKind.HEARTBEAT, WorkerKind.NODE_HEARTBEAT, WorkerKind.REPORT):
             with self._lock:
                 self.background_msgs += 1
-                if kind is WorkerKind.HEARTBEAT and self.lags is not None and isinstance(msg.get("t"), float):
+                if kind is not WorkerKind.REPORT and self.lags is not None and isinstance(msg.get("t"), float):
                     self.lags.append(time.time() - msg["t"])
         return super().apply(msg)

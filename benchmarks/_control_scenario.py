@@ -12,7 +12,9 @@ import os
 import pstats
 import queue
 import secrets
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -50,6 +52,11 @@ class _Scenario:
         self.secret = secrets.token_bytes(32)
         self.keys = Keys(f"job-{secrets.token_hex(4)}")
         self.server = StoreServer("127.0.0.1", timeout_s=120.0)
+        from ray_integration.config import TrainerConfig
+
+        self.heartbeats = TrainerConfig(max_workers=n, heartbeats=opts.get("heartbeats", "auto")).heartbeat_mode
+        # heartbeats="node": each simulated node's directory (beat files, leader lock) under a fresh temporary one
+        self.beats_root = tempfile.mkdtemp(prefix="control-plane-beats-") if self.heartbeats == "node" else None
         total = n + RESERVE
         self.order = [f"{i:08x}" for i in range(total)]
         self.nodes = {wid: f"{i // PER_NODE:056x}" for i, wid in enumerate(self.order)}
@@ -65,7 +72,7 @@ class _Scenario:
                 self.host_of[wid] = p
             proc = ctx.Process(target=sim.main, args=("127.0.0.1", self.server.address.port, self.secret,
                                                       self.keys.job, slots, opts["interval_s"], opts["report_hz"],
-                                                      self.commands[p], self.events), daemon=True)
+                                                      self.commands[p], self.events, self.beats_root), daemon=True)
             proc.start()
             self.procs.append(proc)
         self.formed: dict[int, dict[str, tuple[float, float]]] = {}
@@ -130,6 +137,8 @@ class _Scenario:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        if self.beats_root is not None:
+            shutil.rmtree(self.beats_root, ignore_errors=True)
 
 
 def _wait(predicate, timeout_s: float, what: str | Callable[[], str]) -> None:
@@ -165,7 +174,7 @@ def _run(n: int, opts: dict) -> dict:
     from ray_integration.config import TrainerConfig
     from ray_integration.driver.events import EventLog
     from ray_integration.driver.loop import Driver
-    from ray_integration.driver.mailroom import Mailroom, RoundKeys, acknowledge
+    from ray_integration.driver.mailroom import Acknowledger, Mailroom, RoundKeys
     from ray_integration.driver.progress import ProgressDisplay
     from ray_integration.wire.channel import Channel, Inbox
     from ray_integration.wire.protocol import DRIVER, DriverKind
@@ -180,9 +189,11 @@ def _run(n: int, opts: dict) -> dict:
     recv_store = Counted(server.connect(60.0))
     send, receive = Channel(driver_store, sc.secret, DRIVER), Channel(recv_store, sc.secret, DRIVER)
     config = TrainerConfig(min_workers=max(1, n // 2), max_workers=n, heartbeat_interval_s=opts["interval_s"],
-                           heartbeat_timeout_s=opts["heartbeat_timeout_s"], progress=False)
+                           heartbeat_timeout_s=opts["heartbeat_timeout_s"], progress=False,
+                           heartbeats=sc.heartbeats)
     wakeups: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
-    settings = WorkerSettings(driver_silence_s=config.driver_silence_s, flush_timeout_s=10.0)
+    settings = WorkerSettings(driver_silence_s=config.driver_silence_s, flush_timeout_s=10.0,
+                              heartbeats=config.heartbeat_mode)
     pool = SimPool(config, send, "127.0.0.1", server.address.port, keys, sc.secret, None, {}, settings,
                    wakeups=wakeups, nodes=sc.nodes, order=sc.order, command=sc.command)
     pool.receive = receive
@@ -195,10 +206,10 @@ def _run(n: int, opts: dict) -> dict:
         mailroom(d.round_id, d.world_size)
         cleaner.forget_before(d.round_id - 1)
 
-    inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=lambda msg: acknowledge(send, keys, msg))
+    inbox = Inbox(receive, keys.driver_inbox, wakeups, on_message=Acknowledger(send, keys, config.heartbeat_interval_s))
     inbox.start()
     threading.Thread(target=sc.read_events, args=(wakeups,), daemon=True).start()
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"heartbeats": sc.heartbeats}
     scenario = threading.Thread(target=_script, args=(sc, driver, pool, result, driver_store, recv_store),
                                 daemon=True)
     scenario.start()

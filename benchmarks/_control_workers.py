@@ -6,7 +6,10 @@ driver's store, without ``fn``:
 * heartbeats at the job's cadence (``WorkerKind.HEARTBEAT``, the same fields as ``RingWorker._beat``, plus the
   wall-clock send time ``t`` the driver side uses to measure the lag), sealed by a real
   :class:`~ray_integration.wire.channel.Channel` per worker (its own sender id and message counter), sent by
-  one beater thread per process that spreads the process's workers over the interval;
+  one beater thread per process that spreads the process's workers over the interval; with
+  ``heartbeats="node"``, through the real :class:`~ray_integration.worker.node_beats.NodeBeats` of each worker
+  (real beat files and leader lock in a temporary directory per simulated node; a node's workers live in
+  different processes, as on a real node): one ``node_hb`` per node and interval, ``t`` its send time;
 * ring requests (``ring_request``), ``synced`` after a ring formed, and rank 0's ``report`` records;
 * a receiving thread per worker on its own connection, blocked in the real ``Channel.receive`` on its queue: ring
   answers (validated with the real ``RingSpec.from_wire``), ``stop``, ``pending``, and the simulated pool's
@@ -40,6 +43,7 @@ from elastic_ring.backends import arrival, gloo
 from elastic_ring.core.auth import AuthenticatedStore
 from ray_integration.wire.channel import Channel
 from ray_integration.wire.protocol import DRIVER, DriverKind, Keys, WorkerKind
+from ray_integration.worker.node_beats import NodeBeats
 
 #: A gloo rank's published value is about this long (hostname, address, no pair ids: lazy).
 GLOO_VALUE_BYTES = 154
@@ -130,13 +134,14 @@ class SimWorker:
     round_id: int = 0
     rank: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    node_beats: NodeBeats | None = None  # heartbeats="node"
 
 
 class WorkerHost:
     """The simulated workers of one process, driven by commands from the driver's process (see :func:`main`)."""
 
     def __init__(self, host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, str]],
-                 interval_s: float, report_hz: float, events: "Any") -> None:
+                 interval_s: float, report_hz: float, events: "Any", beats_root: str | None = None) -> None:
         self.keys, self.secret, self.interval_s, self.report_hz = Keys(job), secret, interval_s, report_hz
         self.events = events  # multiprocessing queue to the driver's process
         self.send_lock = threading.Lock()
@@ -156,6 +161,8 @@ class WorkerHost:
             recv = Counted(receivers[wid])
             self.workers[wid] = SimWorker(wid, node, Channel(self.send_store, secret, wid),
                                           Channel(recv, secret, wid), recv)
+            if beats_root is not None:  # heartbeats="node"
+                self.workers[wid].node_beats = NodeBeats(job, node, wid, secret, interval_s, root=beats_root)
         self._stop = threading.Event()
 
     # ------------------------------------------------------------ threads
@@ -184,12 +191,21 @@ class WorkerHost:
                     fields = dict(seq=w.beats, synced=w.synced, waiting=waiting[0] if waiting else 0,
                                   reason=waiting[1] if waiting else None)
                 try:
-                    w.send.send(self.keys.driver_inbox, WorkerKind.HEARTBEAT, t=time.time(), **fields)
+                    self._beat(w, fields)
                 except (RuntimeError, OSError):
                     pass  # the driver's store is gone: the run is ending
             rest = cycle + self.interval_s - time.monotonic()
             if rest > 0:
                 self._stop.wait(rest)
+
+    def _beat(self, w: SimWorker, fields: dict) -> None:
+        """What ``RingWorker._beat`` sends for one interval (its own ``hb``, or its node's as their forwarder)."""
+        tick = w.node_beats.tick(fields) if w.node_beats is not None else None
+        if tick is None or tick.direct:
+            w.send.send(self.keys.driver_inbox, WorkerKind.HEARTBEAT, t=time.time(), **fields)
+        if tick is not None and tick.forward:
+            w.send.send(self.keys.driver_inbox, WorkerKind.NODE_HEARTBEAT, t=time.time(), beats=tick.forward)
+            w.node_beats.forwarded()
 
     def _report_loop(self) -> None:
         _beating.on = True  # background traffic too: counted with the heartbeats
@@ -282,11 +298,12 @@ class WorkerHost:
 
 
 def main(host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, str]], interval_s: float,
-         report_hz: float, commands: Any, events: Any) -> None:
-    """A worker process: connect every worker (in parallel), say ``ready``, then obey ``commands``:
+         report_hz: float, commands: Any, events: Any, beats_root: str | None = None) -> None:
+    """A worker process (``beats_root``: heartbeats="node", the nodes' directories there): connect every worker (in
+    parallel), say ``ready``, then obey ``commands``:
     ``("start", wids)``, ``("fail", wids)`` (their collective failed: ask for a ring), ``("kill", wids)``,
     ``("counts", None)`` (answered on ``events``), ``("quit", None)``."""
-    hosted = WorkerHost(host, port, secret, job, slots, interval_s, report_hz, events)
+    hosted = WorkerHost(host, port, secret, job, slots, interval_s, report_hz, events, beats_root)
     hosted.start_threads()
     events.put(("ready", None, None, None))
     while True:

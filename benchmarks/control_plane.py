@@ -2,11 +2,12 @@
 
     python -m benchmarks.control_plane [--workers 16 64] [--steady-s 4] [--profile DIR]
     python -m benchmarks.control_plane --workers 32 128 512 1024
+    python -m benchmarks.control_plane --workers 32 128 512 --heartbeats worker   (or node; default auto)
     python -m benchmarks.control_plane --costs 32 128 512 1024   (the driver's pieces, one process)
 
 Prints one line per N::
 
-    workers=N driver_cpu_per_s=… loss_to_spec_s=… store_ops_per_reform=… notice_to_all_s=… heartbeat_lag_s=… …
+    workers=N driver_cpu_per_s=… loss_to_spec_s=… store_ops_per_reform=… notice_to_all_s=… heartbeat_lag_s=… … heartbeats=…
 
 then, over the Ns, the exponent of each figure (``figure ≈ c · N^k``, log-log least squares): above 1 grows
 faster than the workers.
@@ -15,7 +16,8 @@ faster than the workers.
 (``ray_integration.driver.loop.Driver.run``), the pool's records and message handling (``WorkerPool.apply``,
 ``answer``, ``stop``, ``inbox_backlog``), the mailroom and the old rounds' key cleanup as ``ElasticTrainer`` wires
 them (``on_tick``), the inbox thread and the acknowledgements of waiting workers (``wire.channel.Inbox``,
-``mailroom.acknowledge``), sealed messages (``wire.channel.Channel``), the store server
+``mailroom.Acknowledger``), the workers' per-node heartbeats (``worker.node_beats.NodeBeats``, real files, with
+``--heartbeats node``), sealed messages (``wire.channel.Channel``), the store server
 (``elastic_ring.ring.store.StoreServer``, libuv, in the driver's process as in a job), ``RingSpec`` encoding and the
 workers' validation of it, the formation's arrival barrier (``arrival.announce_arrival``) and a lazy gloo ring's
 address keys. **Simulated**: Ray (actor creation, completions, actor calls, kills, probes, the drain list:
@@ -38,10 +40,10 @@ the join of its replacement; a node draining (Ray's drain list) and its replacem
   heartbeats and reports left out.
 * ``notice_to_all_s``: from Ray marking the node draining to the last member receiving the driver's notice (the
   driver polls the drain list every 0.5 s).
-* ``heartbeat_lag_s``: median, and ``heartbeat_lag_p99_s``, from a worker sending a heartbeat to the driver's
-  loop applying it, in the steady state.
+* ``heartbeat_lag_s``: median, and ``heartbeat_lag_p99_s``, from a worker sending a heartbeat (or a node's
+  forwarder sending its ``node_hb``) to the driver's loop applying it, in the steady state.
 * ``steps_per_s`` and ``ms_per_step``: how often the loop stepped its state in the steady state, and the median
-  CPU time of one step; ``msgs_per_s``: heartbeats and reports applied per second.
+  CPU time of one step; ``msgs_per_s``: heartbeat messages (``hb`` and ``node_hb``) and reports applied per second.
 * also: ``start_to_spec_s`` (the first ring), ``join_to_spec_s`` (from the loss's replacement starting, once the
   loss's re-form was measured, to its ring answer), ``drain_to_spec_s`` (from the drain to the ring without the
   node; the replacements are held back).
@@ -76,6 +78,7 @@ def parse_line(line: str) -> tuple[int, dict[str, float]]:
     fields = dict(part.split("=", 1) for part in line.split())
     if "workers" not in fields:
         raise ValueError(f"not a control_plane result line: {line!r}")
+    fields.pop("heartbeats", None)  # (worker | node: the mode measured)
     return int(fields.pop("workers")), {k: float(v) for k, v in fields.items()}
 
 
@@ -117,6 +120,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
                         help="the driver's silence deadline (the default's); a driver that falls behind its inbox by "
                              "more than this kills healthy workers")
+    parser.add_argument("--heartbeats", choices=("auto", "worker", "node"), default="auto",
+                        help="ElasticTrainer(heartbeats=...): one message per worker, or per node of 8 forwarded by "
+                             "one of its workers through real files (auto: as the product decides at each N)")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one N may take")
     parser.add_argument("--costs", type=int, nargs="+", metavar="N",
@@ -133,7 +139,7 @@ def main() -> None:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     opts = {"steady_s": args.steady_s, "interval_s": args.interval_s, "report_hz": args.report_hz,
-            "heartbeat_timeout_s": args.heartbeat_timeout_s,
+            "heartbeat_timeout_s": args.heartbeat_timeout_s, "heartbeats": args.heartbeats,
             "profile": args.profile, "timeout_s": args.timeout_s}
     rows: dict[int, dict[str, float]] = {}
     failed = False
@@ -145,7 +151,7 @@ def main() -> None:
             failed = True
             continue
         rows[n] = {k: v for k, v in result.items() if k in FIELDS and v is not None}
-        print(format_line(n, rows[n]), flush=True)
+        print(format_line(n, rows[n]) + f" heartbeats={result['heartbeats']}", flush=True)
         if result.get("profile"):
             print(result["profile"], flush=True)
     if len(rows) > 1:
