@@ -13,7 +13,8 @@ import time
 import pytest
 
 from elastic_ring.core.auth import new_secret, seal_json
-from elastic_ring.ring.store import StoreServer
+from elastic_ring.core.spec import StoreAddress
+from elastic_ring.ring.store import StoreServer, connect
 from ray_integration.config import TrainerConfig
 from ray_integration.driver.mailroom import Acknowledger
 from ray_integration.driver.pool import WorkerPool
@@ -294,3 +295,18 @@ def test_the_heartbeats_option():
         TrainerConfig(heartbeats="nodes")
     with pytest.raises(ValueError, match="heartbeats"):
         WorkerSettings(driver_silence_s=60.0, flush_timeout_s=10.0, heartbeats="auto")
+
+
+def test_a_node_heartbeat_round_trip_through_the_store(pool):
+    """Sealed by its sender, read by the driver's channel, applied; a forged one is dropped unread."""
+    store = connect(StoreAddress("127.0.0.1", pool.store_port), 10.0)
+    sender = Channel(store, pool._secret, "a")
+    forger = Channel(store, new_secret(), "a")
+    receive = Channel(connect(StoreAddress("127.0.0.1", pool.store_port), 10.0), pool._secret, DRIVER)
+    inbox = pool.keys.driver_inbox
+    forger.send(inbox, WorkerKind.NODE_HEARTBEAT.value, beats={"b": {"seq": 50}})
+    sender.send(inbox, WorkerKind.NODE_HEARTBEAT.value, beats={"a": {"seq": 3}, "b": {"seq": 4}})
+    msg = receive.receive(inbox, 5.0)
+    assert receive.forged == 1 and msg["beats"] == {"a": {"seq": 3}, "b": {"seq": 4}}
+    pool.apply(msg)
+    assert (pool.records["a"].beat_seq, pool.records["b"].beat_seq) == (3, 4)
