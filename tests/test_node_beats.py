@@ -206,6 +206,19 @@ def test_a_dead_workers_file_is_deleted_and_keeps_no_directory(tmp_path):
     assert not os.path.exists(os.path.dirname(leader.directory)), os.listdir(leader.directory)
 
 
+def test_a_finished_jobs_directory_left_behind_is_swept(tmp_path):
+    secret = new_secret()
+    old = NodeBeats("job-old", NODE, "a", secret, INTERVAL_S, root=str(tmp_path))
+    old.tick({"seq": 1})  # then its process was stopped until killed: nobody cleaned up
+    recent = NodeBeats("job-recent", NODE, "b", secret, INTERVAL_S, root=str(tmp_path))
+    recent.tick({"seq": 1})
+    long_ago = time.time() - 2 * 3600
+    os.utime(old.directory, (long_ago, long_ago))
+    NodeBeats(JOB, NODE, "c", secret, INTERVAL_S, root=str(tmp_path))
+    assert not os.path.exists(os.path.dirname(old.directory))
+    assert os.listdir(recent.directory)  # a job written to within the hour stays
+
+
 def test_separate_instances_in_one_process_exclude_each_other(tmp_path):
     secret = new_secret()
     many = [NodeBeats(JOB, NODE, f"w{i}", secret, INTERVAL_S, root=str(tmp_path)) for i in range(4)]

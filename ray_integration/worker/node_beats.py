@@ -17,6 +17,11 @@ keyed by the Ray node id, so that beats never cross Ray nodes even when several 
   stopped, starved or dying leader) sends its own ``hb`` directly, as in ``heartbeats="worker"``: a stalled leader
   silences its node-mates for about one interval at most, never long enough for the driver's silence rules.
 
+Clean-up: a worker removes its file when it leaves the job; the leader deletes files not rewritten for
+:data:`DEAD_FILE_INTERVALS` intervals (their workers died); the last worker out removes the directory; a directory
+left behind anyway (a forwarder stopped until killed holds the lock to the end) is deleted by the next worker that
+starts on that host, once nobody wrote it for :data:`LEFT_BEHIND_S`.
+
 The driver times silence as "time since the worker's counter last advanced" (it ignores a counter that did not),
 so a dead worker's file, forwarded again, keeps nobody alive; and it accepts a ``node_hb`` entry only for workers
 its records place on the sender's node (:meth:`~ray_integration.driver.pool.WorkerPool.apply`).
@@ -44,6 +49,9 @@ LOCK_NAME, STAMP_NAME = "leader.lock", "stamp"
 #: A beat file not rewritten for this many intervals is a dead worker's (a live one rewrites it every interval):
 #: the leader deletes it, and it keeps no directory from being cleaned up.
 DEAD_FILE_INTERVALS = 4
+#: A node directory of any job not written for this long is a finished job's, left behind (its last forwarder was
+#: stopped until killed, so nobody could clean up): the next NodeBeats on that host deletes it.
+LEFT_BEHIND_S = 3600.0
 #: A beat file is a few hundred bytes; anything much larger is not one.
 MAX_BEAT_BYTES = 4096
 
@@ -74,6 +82,7 @@ class NodeBeats:
         self.job_id, self.node_id, self.worker_id = job_id, node_id, worker_id
         self._secret, self._interval_s = secret, interval_s
         self.directory = node_directory(job_id, node_id, root)
+        _sweep(os.path.dirname(os.path.dirname(self.directory)), keep=self.directory)
         self._make_directory()
         self._file = os.path.join(self.directory, worker_id + BEAT_SUFFIX)
         self._stamp = os.path.join(self.directory, STAMP_NAME)
@@ -207,6 +216,29 @@ class NodeBeats:
             finally:
                 self._lock.release(force=True)
                 self.leader = False
+
+
+def _sweep(top: str, keep: str) -> None:
+    """Delete the node directories under ``top`` (every job's) that nobody wrote for LEFT_BEHIND_S: a live one is
+    written every interval (each beat replaces its file there). Only this user's; errors are ignored."""
+    try:
+        jobs = os.listdir(top)
+    except OSError:
+        return
+    oldest = time.time() - LEFT_BEHIND_S
+    for job in jobs:
+        job_dir = os.path.join(top, job)
+        try:
+            for node in os.listdir(job_dir):
+                node_dir = os.path.join(job_dir, node)
+                info = os.stat(node_dir)
+                if node_dir != keep and info.st_uid == os.getuid() and info.st_mtime < oldest:
+                    for name in os.listdir(node_dir):
+                        os.remove(os.path.join(node_dir, name))
+                    os.rmdir(node_dir)
+            os.rmdir(job_dir)  # (fails while another node directory of the job is left: fine)
+        except OSError:
+            continue
 
 
 __all__ = ["NodeBeats", "STALE_INTERVALS", "Tick", "node_directory"]
