@@ -33,6 +33,8 @@ from ray_integration.wire.settings import WorkerSettings
 @pytest.mark.parametrize("kind, changed, wakes", [
     ("hb", False, False),            # a counter advanced: the tick will do
     ("hb", True, True),              # a new ring request
+    ("node_hb", False, False),       # a node's heartbeats in one message (heartbeats="node")
+    ("node_hb", True, True),         # one of them asks for a ring
     ("report", False, False),
     ("timeline", False, False),
     ("ring_request", False, True),   # every other kind steps at once

@@ -219,6 +219,26 @@ def test_a_finished_jobs_directory_left_behind_is_swept(tmp_path):
     assert os.listdir(recent.directory)  # a job written to within the hour stays
 
 
+def test_the_stamps_age_decides_who_beats_directly(tmp_path):
+    secret = new_secret()
+    leader = NodeBeats(JOB, NODE, "a", secret, INTERVAL_S, root=str(tmp_path))
+    mate = NodeBeats(JOB, NODE, "b", secret, INTERVAL_S, root=str(tmp_path))
+    try:
+        leader.tick({"seq": 1})
+        assert mate.leader_stale(time.monotonic())  # no stamp yet
+        leader.forwarded()
+        now = time.monotonic()
+        assert not mate.leader_stale(now) and not mate.leader_stale(now + STALE_INTERVALS * INTERVAL_S - 0.01)
+        assert mate.leader_stale(now + STALE_INTERVALS * INTERVAL_S + 0.01)
+        assert mate.leader_stale(now - 2 * INTERVAL_S)  # a stamp from the future: clocks not shared, beat directly
+        with open(os.path.join(leader.directory, "stamp"), "w") as f:  # a forged stamp keeps nobody quiet
+            f.write(seal_json(new_secret(), f"{JOB}/stamp/{NODE}", {"at": time.monotonic()}))
+        assert mate.leader_stale(time.monotonic())
+    finally:
+        leader.close()
+        mate.close()
+
+
 def test_separate_instances_in_one_process_exclude_each_other(tmp_path):
     secret = new_secret()
     many = [NodeBeats(JOB, NODE, f"w{i}", secret, INTERVAL_S, root=str(tmp_path)) for i in range(4)]

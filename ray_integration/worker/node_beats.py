@@ -140,7 +140,8 @@ class NodeBeats:
             at = float(stamp["at"])
         except (OSError, AuthenticationError, ValueError, TypeError, KeyError):
             return True
-        return now - at > STALE_INTERVALS * self._interval_s
+        age = now - at  # (a stamp from the future: this host's processes do not share a clock after all; safe side)
+        return age > STALE_INTERVALS * self._interval_s or age < -self._interval_s
 
     def collect(self) -> dict[str, dict]:
         """Every node-mate's beat whose seal checks and whose ``seq`` advanced since this leader forwarded it."""
