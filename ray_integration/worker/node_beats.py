@@ -9,8 +9,9 @@ keyed by the Ray node id, so that beats never cross Ray nodes even when several 
   binds the job and the worker id, atomically (a temporary file, then ``os.replace``);
 * one of them forwards: the one that holds ``leader.lock`` (a ``filelock.FileLock``, ``flock(2)``: the kernel
   releases it when the holder's process dies). Every other worker tries to take it, without waiting, on each of
-  its ticks. The leader reads every beat file, keeps those whose seal checks (a stranger's or a damaged file is
-  ignored and counted) and whose counter advanced since it last forwarded them, and sends them as ONE message;
+  its ticks that finds the leader's stamp (below) missing or stale. The leader reads every beat file, keeps those
+  whose seal checks (a stranger's or a damaged file is ignored and counted) and whose counter advanced since it
+  last forwarded them, and sends them as ONE message;
   then it writes a sealed freshness stamp (``time.monotonic()``: the same host's clock for every process here;
   and who forwards: its worker id and process id);
 * a worker that is not the leader and finds the stamp missing or older than :data:`STALE_INTERVALS` intervals (a
@@ -112,12 +113,13 @@ class NodeBeats:
         """Publish this worker's ``beat``, and say what to send for this interval."""
         self._write(self._file, seal_json(self._secret, self._beat_name(self.worker_id), beat))
         if not self.leader:
+            if not self.leader_stale(time.monotonic()):
+                return Tick(direct=False)  # the leader forwards (a fresh stamp: no use trying its lock)
             self.leader = self._try_lead()
-            if self.leader:
-                _log.info("worker %s forwards the heartbeats of node %s", self.worker_id, self.node_id[:12])
-        if self.leader:
-            return Tick(direct=False, forward=self.collect())
-        return Tick(direct=self.leader_stale(time.monotonic()))
+            if not self.leader:
+                return Tick(direct=True)  # it stalls, or is dying: beat directly meanwhile
+            _log.info("worker %s forwards the heartbeats of node %s", self.worker_id, self.node_id[:12])
+        return Tick(direct=False, forward=self.collect())
 
     def forwarded(self) -> None:
         """The leader sent its ``node_hb``: its node-mates need not beat directly."""
@@ -200,6 +202,11 @@ class NodeBeats:
         for path in (self._file, f"{self._file}.{os.getpid()}.tmp"):
             try:
                 os.remove(path)
+            except FileNotFoundError:
+                pass
+        if self.leader:
+            try:  # its node-mates take over at their next beat, not 1.5 intervals later
+                os.remove(self._stamp)
             except FileNotFoundError:
                 pass
         if self.leader or self._try_lead():
