@@ -60,6 +60,7 @@ class Limits:
     failure_window_s: float = 3600.0  # failures older than this (driver clock) no longer count
     start_workers: int = 0      # the first ring waits for this many workers (0: min_workers)
     worker_errors: str = "fail"       # fn raised on a member: "fail" the run, or "replace" the worker
+    beats_per_node: bool = False      # heartbeats="node" in force: a beat can wait one interval in its file
 
     @property
     def first_ring_workers(self) -> int:
@@ -68,7 +69,8 @@ class Limits:
 
     @property
     def suspect_after_s(self) -> float:
-        return SUSPECT_AFTER_INTERVALS * self.heartbeat_interval_s
+        """Per node, a beat waits up to one interval in its file for the forwarder: one interval more."""
+        return (SUSPECT_AFTER_INTERVALS + int(self.beats_per_node)) * self.heartbeat_interval_s
 
     @property
     def stuck_after_s(self) -> float:
@@ -282,4 +284,4 @@ class TrainerConfig:
                       min_workers=self.min_workers, max_workers=self.max_workers,
                       max_failures=sys.maxsize if self.max_failures == -1 else self.max_failures,
                       failure_window_s=self.failure_window_s, start_workers=self.start_workers or 0,
-                      worker_errors=self.worker_errors)
+                      worker_errors=self.worker_errors, beats_per_node=self.heartbeat_mode == "node")

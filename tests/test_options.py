@@ -120,3 +120,7 @@ def test_defaults_and_derived():
     assert TrainerConfig(checkpoint_uri="/data/ckpt").checkpoint_cadence == (None, 300.0)
     limits = TrainerConfig(collective_timeout_s=20, connect_timeout_s=10).limits
     assert limits.stuck_after_s == 20 + 10 + 2.0 and limits.suspect_after_s == 1.5
+    # heartbeats per node (auto from 64 workers, or asked for): a beat may wait one interval for its forwarder
+    assert TrainerConfig(max_workers=64).limits.suspect_after_s == 2.0
+    assert TrainerConfig(max_workers=4, heartbeats="node").limits.suspect_after_s == 2.0
+    assert TrainerConfig(max_workers=64, heartbeats="worker").limits.suspect_after_s == 1.5
