@@ -38,9 +38,12 @@ class SimPool(WorkerPool):
         self.hold = False  # requested workers wait for release() (no room in the cluster yet)
         self._held: list[str] = []
         self.draining_script: dict[str, int] = {}
+        self.drain_seen_at: float | None = None  # wall time the driver's poll first saw the scripted drain
+        self.notified_at: dict[int, float] = {}  # round -> wall time its last notice was pushed
         self.answered_at: dict[tuple[int, str], float] = {}  # (round, worker) -> wall time of its ring answer
         self.started_at: dict[str, float] = {}  # worker -> wall time the driver asked for it
         self.lags: list[float] | None = None  # heartbeat lags (s) while measured
+        self.requested_at: dict[str, float] = {}  # worker -> wall time its last ring request was applied
         self.background_msgs = 0  # heartbeats and reports applied
         self._lock = threading.Lock()
 
@@ -93,6 +96,7 @@ class SimPool(WorkerPool):
             if not record.dead:
                 self.send.send(self.keys.worker_inbox(record.worker_id), "sim_notify", round=round_id, change=change,
                                persist=persist, stop=stop)
+        self.notified_at[round_id] = time.time()
 
     def tell_preemption(self, records: list[WorkerRecord], notice: dict) -> None:
         for record in records:
@@ -108,6 +112,8 @@ class SimPool(WorkerPool):
         return Probe.UNANSWERED if record.dead else Probe.ANSWERED
 
     def draining_nodes(self) -> dict[str, int]:  # type: ignore[override]
+        if self.draining_script and self.drain_seen_at is None:
+            self.drain_seen_at = time.time()
         return dict(self.draining_script)
 
     def kill(self, record: WorkerRecord, cause: str) -> None:
@@ -133,4 +139,6 @@ class SimPool(WorkerPool):
                 self.background_msgs += 1
                 if kind is not WorkerKind.REPORT and self.lags is not None and isinstance(msg.get("t"), float):
                     self.lags.append(time.time() - msg["t"])
+        elif kind is WorkerKind.RING_REQUEST:
+            self.requested_at[msg.get("from")] = time.time()
         return super().apply(msg)

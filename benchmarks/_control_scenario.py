@@ -22,7 +22,7 @@ from typing import Any, Callable
 #: Every figure of a result line, in order (the first five are the issue's).
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
           "heartbeat_lag_p99_s", "loop_cpu_per_s", "inbox_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s",
-          "store_bytes_per_reform",
+          "store_bytes_per_reform", "loss_to_requests_s", "requests_to_spec_s", "drain_seen_s", "seen_to_notified_s",
           "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
 
 PER_NODE = 8
@@ -329,6 +329,12 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     time.sleep(0.3)  # the old round's keys are cleaned up on the driver's next ticks
     after = _counts(sc, pool, driver_store, recv_store)
     result["loss_to_spec_s"] = _answered(pool, lost) - t_loss
+    # its two parts: the survivors' ring requests reaching the driver (the simulated workers' side, on this VM's
+    # shared cores), then the driver's own (the decision, the ring, every answer pushed)
+    last_request = max(pool.requested_at.get(w, float("-inf")) for w in survivors)
+    if last_request > t_loss:
+        result["loss_to_requests_s"] = last_request - t_loss
+        result["requests_to_spec_s"] = _answered(pool, lost) - last_request
     bg_msgs = after["bg_msgs"] - before["bg_msgs"]
     hb_ops = after["hb_ops"] - before["hb_ops"]
     per_msg = (after["hb_bytes"] - before["hb_bytes"]) / hb_ops if hb_ops else 0.0
@@ -352,6 +358,9 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     pool.draining_script = {node: int((time.time() + 120) * 1000)}
     _wait(lambda: set(members) <= set(sc.notices.get(grown.round_id, {})), 60, "the drain notice did not reach all")
     result["notice_to_all_s"] = max(sc.notices[grown.round_id][w] for w in members) - t_drain
+    if pool.drain_seen_at is not None and grown.round_id in pool.notified_at:  # its parts: the drain poll, the
+        result["drain_seen_s"] = pool.drain_seen_at - t_drain                  # driver's notices; the rest is the
+        result["seen_to_notified_s"] = pool.notified_at[grown.round_id] - pool.drain_seen_at  # workers' receiving
     _wait(lambda: driver.ring.round_id > grown.round_id and node not in driver.ring.node_ids, 120, "no drain re-form")
     drained = driver.ring
     result["drain_to_spec_s"] = _answered(pool, drained) - t_drain

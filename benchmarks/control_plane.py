@@ -34,12 +34,15 @@ the join of its replacement; a node draining (Ray's drain list) and its replacem
 * ``driver_cpu_per_s``: the driver process's CPU seconds per second in the steady state (loop, inbox and store
   server threads; the scenario's own threads left out); ``loop_cpu_per_s`` the loop thread's share,
   ``inbox_cpu_per_s`` the inbox thread's (the rest: the store server's thread, Ray's watcher).
-* ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue.
+* ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue; its two parts
+  ``loss_to_requests_s`` (until the last survivor's ring request is applied by the driver: the simulated workers'
+  side, on the shared cores) and ``requests_to_spec_s`` (the driver's own: the decision, the ring, every answer).
 * ``store_ops_per_reform`` / ``store_bytes_per_reform``: every store operation (and key and value bytes) of that
   re-form, from the loss until every survivor went through the formation's store traffic, driver and workers,
   heartbeats and reports left out.
 * ``notice_to_all_s``: from Ray marking the node draining to the last member receiving the driver's notice (the
-  driver polls the drain list every 0.5 s).
+  driver polls the drain list every 0.5 s); its parts ``drain_seen_s`` (until the driver's poll saw it) and
+  ``seen_to_notified_s`` (until the driver pushed its last notice); the rest is the simulated workers' receiving.
 * ``heartbeat_lag_s``: median, and ``heartbeat_lag_p99_s``, from a worker sending a heartbeat (or a node's
   forwarder sending its ``node_hb``) to the driver's loop applying it, in the steady state.
 * ``steps_per_s`` and ``ms_per_step``: how often the loop stepped its state in the steady state, and the median
