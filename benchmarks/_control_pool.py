@@ -44,6 +44,7 @@ class SimPool(WorkerPool):
         self.started_at: dict[str, float] = {}  # worker -> wall time the driver asked for it
         self.lags: list[float] | None = None  # heartbeat lags (s) while measured
         self.requested_at: dict[str, float] = {}  # worker -> wall time its last ring request was applied
+        self.request_sent_at: dict[str, float] = {}  # worker -> wall time it sent that request
         self.background_msgs = 0  # heartbeats and reports applied
         self._lock = threading.Lock()
 
@@ -141,4 +142,6 @@ class SimPool(WorkerPool):
                     self.lags.append(time.time() - msg["t"])
         elif kind is WorkerKind.RING_REQUEST:
             self.requested_at[msg.get("from")] = time.time()
+            if isinstance(msg.get("t"), float):
+                self.request_sent_at[msg.get("from")] = msg["t"]
         return super().apply(msg)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 #: Every figure of a result line, in order (the first five are the issue's).
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
           "heartbeat_lag_p99_s", "loop_cpu_per_s", "inbox_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s",
-          "store_bytes_per_reform", "loss_to_requests_s", "requests_to_spec_s", "drain_seen_s", "seen_to_notified_s",
+          "store_bytes_per_reform", "requests_sent_s", "loss_to_requests_s", "requests_to_spec_s", "drain_seen_s", "seen_to_notified_s",
           "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
 
 PER_NODE = 8
@@ -329,10 +329,11 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     time.sleep(0.3)  # the old round's keys are cleaned up on the driver's next ticks
     after = _counts(sc, pool, driver_store, recv_store)
     result["loss_to_spec_s"] = _answered(pool, lost) - t_loss
-    # its two parts: the survivors' ring requests reaching the driver (the simulated workers' side, on this VM's
-    # shared cores), then the driver's own (the decision, the ring, every answer pushed)
+    # its parts: the survivors' ring requests sent (the simulated workers' side, on this VM's shared cores), then
+    # applied by the driver (its inbox's backlog included), then the driver's own (the decision, every answer)
     last_request = max(pool.requested_at.get(w, float("-inf")) for w in survivors)
     if last_request > t_loss:
+        result["requests_sent_s"] = max(pool.request_sent_at.get(w, t_loss) for w in survivors) - t_loss
         result["loss_to_requests_s"] = last_request - t_loss
         result["requests_to_spec_s"] = _answered(pool, lost) - last_request
     bg_msgs = after["bg_msgs"] - before["bg_msgs"]

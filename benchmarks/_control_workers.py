@@ -260,7 +260,8 @@ class WorkerHost:
             w.generation += 1
             w.waiting = (w.generation, reason)
         try:
-            w.send.send(self.keys.driver_inbox, WorkerKind.RING_REQUEST, generation=w.generation, reason=reason)
+            w.send.send(self.keys.driver_inbox, WorkerKind.RING_REQUEST, generation=w.generation, reason=reason,
+                        t=time.time())
         except (RuntimeError, OSError):
             pass
 

@@ -34,9 +34,10 @@ the join of its replacement; a node draining (Ray's drain list) and its replacem
 * ``driver_cpu_per_s``: the driver process's CPU seconds per second in the steady state (loop, inbox and store
   server threads; the scenario's own threads left out); ``loop_cpu_per_s`` the loop thread's share,
   ``inbox_cpu_per_s`` the inbox thread's (the rest: the store server's thread, Ray's watcher).
-* ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue; its two parts
-  ``loss_to_requests_s`` (until the last survivor's ring request is applied by the driver: the simulated workers'
-  side, on the shared cores) and ``requests_to_spec_s`` (the driver's own: the decision, the ring, every answer).
+* ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue; its parts:
+  ``requests_sent_s`` (until the last survivor sent its ring request: the simulated workers' side, on the shared
+  cores), ``loss_to_requests_s`` (until the driver applied it: the inbox's backlog included) and
+  ``requests_to_spec_s`` (the driver's own: the decision, the ring, every answer).
 * ``store_ops_per_reform`` / ``store_bytes_per_reform``: every store operation (and key and value bytes) of that
   re-form, from the loss until every survivor went through the formation's store traffic, driver and workers,
   heartbeats and reports left out.

@@ -132,6 +132,7 @@ def drain(cluster, node, deadline_s: int) -> None:
     assert accepted, message
 
 
+@pytest.mark.slow  # ~16 s; a drained node's workers leaving stays covered by tests/test_spot_drains.py (the handover)
 def test_draining_node_leaves_at_a_commit_without_rollback(cluster, tmp_path):
     nodes = [add_slot_node(cluster) for _ in range(3)]
     cluster.wait_for_nodes()

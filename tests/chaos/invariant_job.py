@@ -144,6 +144,15 @@ class FaultFile:
     def stop_requested(self) -> bool:
         return os.path.exists(os.path.join(self.dir, "stop"))
 
+    def all_fired(self, but: tuple[str, ...] = ("kill_at_end",)) -> bool:
+        """Whether every armed fault (those of the kinds ``but`` aside: they fire after the stop) has fired."""
+        try:
+            with open(self.path) as f:
+                faults = json.load(f)
+        except FileNotFoundError:
+            return True
+        return all(os.path.exists(self.marker(f["id"])) for f in faults if f["kind"] not in but)
+
 
 class Flaky:
     """A state value that cannot be saved once the file ``flag`` exists (a writer error on demand)."""
@@ -250,7 +259,11 @@ def train(config: dict):
                 idx = torch.tensor(batch, dtype=torch.long)
                 hits = torch.zeros(N_SAMPLES + 1, dtype=torch.float64)
                 hits[idx] += 1
-                hits[N_SAMPLES] = float(faults.stop_requested())
+                # config["stop_when_fired"]: not before every armed fault fired (a replacement that starts slowly
+                # on a loaded machine must still join before the job ends), but at 4 x min_epochs at the latest
+                hits[N_SAMPLES] = float(faults.stop_requested() and (
+                    not config.get("stop_when_fired") or faults.all_fired()
+                    or state.epoch + 1 >= 4 * config.get("min_epochs", 1)))
                 optimizer.zero_grad()
                 loss = (holder.w * vectors[idx].sum(0)).sum() + (holder.count * hits).sum()
                 loss.backward()

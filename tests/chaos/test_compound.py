@@ -60,6 +60,7 @@ def test_clocks_15_s_apart_kill_no_healthy_worker(ray_session, tmp_path):
 def test_a_death_during_a_membership_reform(ray_session, tmp_path):
     # rank 2 dies; its replacement joins at a commit; during that membership re-form rank 1 dies
     config = arm(tmp_path, ("kill_in_join", 1), ("sigkill", 2), min_epochs=6)
+    config["stop_when_fired"] = True  # the replacement must join (and rank 1 die in that re-form) before the end
     result = ElasticTrainer(min_workers=1, max_workers=3, heartbeat_timeout_s=3, progress=False).run(
         invariant_job.train, config=config)
     check_exact(result.value)
@@ -144,6 +145,7 @@ def test_a_writer_error_then_sigterm_exits_within_seconds_saying_so(scenario):
     assert 0 < saved["step"] <= 18, saved["step"]
 
 
+@pytest.mark.slow  # ~22 s; resuming from the newest checkpoint stays covered by tests/test_trainer_ray.py (a second run)
 def test_the_root_dying_while_it_sends_a_resumed_checkpoint_does_not_restart_from_scratch(ray_session, tmp_path):
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir(), second_dir.mkdir()
