@@ -35,6 +35,9 @@ WORKER_ERRORS = ("fail", "replace")
 #: NODE_HEARTBEATS_FROM max_workers on (below that the driver's inbox is nowhere near busy: docs/performance.md).
 HEARTBEATS = ("auto", "worker", "node")
 NODE_HEARTBEATS_FROM = 64
+#: Per node, a worker's counter reaches the driver at least every 2 intervals, and a stalled forwarder's node-mates
+#: take over after 1.5 more: heartbeat_timeout_s must cover this many intervals ("auto" stays per worker otherwise).
+NODE_HEARTBEAT_TIMEOUT_INTERVALS = 4
 
 #: A member that neither heartbeats nor reaches the rendezvous for this many heartbeat intervals,
 #: while its peers report a failure, is presumed dead (a lost node can take Ray many seconds to declare).
@@ -206,6 +209,13 @@ class TrainerConfig:
                 f"ElasticTrainer heartbeat_timeout_s={self.heartbeat_timeout_s} is shorter than two heartbeats "
                 f"(heartbeat_interval_s={self.heartbeat_interval_s}): healthy workers would be killed; set "
                 f"heartbeat_timeout_s >= {2 * self.heartbeat_interval_s:g}")
+        node_least_s = NODE_HEARTBEAT_TIMEOUT_INTERVALS * self.heartbeat_interval_s
+        if self.heartbeats == "node" and self.heartbeat_timeout_s < node_least_s:
+            raise ValueError(
+                f"ElasticTrainer heartbeats='node' with heartbeat_timeout_s={self.heartbeat_timeout_s}: per node a "
+                f"heartbeat can take up to {NODE_HEARTBEAT_TIMEOUT_INTERVALS} intervals (heartbeat_interval_s="
+                f"{self.heartbeat_interval_s}) to reach the driver when a forwarder stalls, so healthy workers "
+                f"would be killed; set heartbeat_timeout_s >= {node_least_s:g}, or heartbeats='worker'")
         if self.bind_address is not None and (not isinstance(self.bind_address, str) or not self.bind_address):
             raise ValueError(f"ElasticTrainer bind_address={self.bind_address!r} must be an address of the driver's "
                              "machine (e.g. '10.0.0.5'), or None for the address Ray uses for this node")
@@ -263,7 +273,8 @@ class TrainerConfig:
         """``heartbeats`` resolved: "worker" or "node"."""
         if self.heartbeats != "auto":
             return self.heartbeats
-        return "node" if self.max_workers >= NODE_HEARTBEATS_FROM else "worker"
+        per_node_fits = self.heartbeat_timeout_s >= NODE_HEARTBEAT_TIMEOUT_INTERVALS * self.heartbeat_interval_s
+        return "node" if self.max_workers >= NODE_HEARTBEATS_FROM and per_node_fits else "worker"
 
     @property
     def worker_gpus(self) -> float:

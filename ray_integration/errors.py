@@ -40,8 +40,35 @@ class WorkerError(RayIntegrationError, RuntimeError):
         super().__init__(f"{what} on rank {rank} (worker {worker_id}, node {node_id[:12]} {hostname}):\n{tb}")
 
     def __reduce__(self):
-        return (WorkerError, (self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback, self.what,
-                              self.cause))
+        # the cause travels as bytes of its own: the error itself must always unpickle on the driver, also when the
+        # cause cannot be pickled (it holds a lock) or its class cannot be imported there (a library only the
+        # workers have); then ``cause`` is None and the traceback says what it was
+        return (_rebuild_worker_error, (self.worker_id, self.rank, self.node_id, self.hostname, self.remote_traceback,
+                                        self.what, _dump(self.cause)))
+
+
+def _dump(cause: BaseException | None) -> bytes | None:
+    if cause is None:
+        return None
+    import ray.cloudpickle
+
+    try:
+        return ray.cloudpickle.dumps(cause)
+    except Exception:  # any pickling failure: the cause stays behind, the error goes
+        return None
+
+
+def _rebuild_worker_error(worker_id: str, rank: int | None, node_id: str, hostname: str, tb: str, what: str,
+                          cause: bytes | None) -> "WorkerError":
+    loaded = None
+    if cause is not None:
+        import ray.cloudpickle
+
+        try:  # (these bytes came inside Ray's own result, which Ray unpickled already: no new trust boundary)
+            loaded = ray.cloudpickle.loads(cause)
+        except Exception:  # its class is not importable here, or it cannot be rebuilt: left out
+            loaded = None
+    return WorkerError(worker_id, rank, node_id, hostname, tb, what, loaded)
 
 
 class WorkerGaveUp(RayIntegrationError, RuntimeError):

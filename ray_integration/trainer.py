@@ -246,7 +246,8 @@ class ElasticTrainer:
                 cleanup.callback(lambda: _log.info("timeline written to %s", timeline.write(events.events)))
             cleanup.callback(pool.shutdown, "the job ended")
             inbox = Inbox(receive, keys.driver_inbox, wakeups,
-                          on_message=Acknowledger(send, keys, self.config.heartbeat_interval_s))
+                          on_message=Acknowledger(send, keys, self.config.heartbeat_interval_s,
+                                                  known=pool.records.__contains__))
             inbox.start()
             cleanup.callback(inbox.close, lambda: send.send(keys.driver_inbox, DriverKind.WAKE))
             cleanup.callback(progress.close)

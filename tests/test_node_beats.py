@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pathlib
 import queue
 import signal
 import time
@@ -295,6 +296,20 @@ def test_a_forwarded_counter_that_did_not_advance_refreshes_nobody(pool):
     assert pool.records["a"].beat_at > b_at
 
 
+def test_a_forwarder_declared_dead_still_keeps_its_live_node_mates_heard(pool):
+    """Its node-mates sent no hb of their own while its stamp was fresh: a forwarder the driver declared dead (a
+    freeze longer than heartbeat_timeout_s, before Ray's kill lands) must not silence them; it refreshes nobody
+    dead, itself included."""
+    pool.records["a"].dead = True
+    time.sleep(0.05)
+    before = {w: r.beat_at for w, r in pool.records.items()}
+    pool.apply(_node_hb("a", 1, {"a": {"seq": 1}, "b": {"seq": 1}}))
+    assert pool.records["b"].beat_at > before["b"] and pool.records["b"].beat_seq == 1
+    assert pool.records["a"].beat_at == before["a"] and pool.records["a"].beat_seq == 0
+    pool.apply({"from": "a", "n": 2, "k": "hb", "seq": 2})  # a dead worker's own heartbeat still counts for nothing
+    assert pool.records["a"].beat_seq == 0
+
+
 def test_a_node_heartbeat_of_a_waiting_worker_notes_its_request(pool):
     assert pool.apply(_node_hb("a", 1, {"b": {"seq": 1, "waiting": 1, "reason": "start"}})) is True
     assert pool.records["b"].generation == 1 and pool.records["b"].waiting
@@ -312,6 +327,9 @@ def test_pending_goes_at_most_once_per_worker_per_interval():
             ack(_node_hb("b", i, {"a": {"seq": i, "waiting": 3}, "b": {"seq": i, "waiting": 3}, "c": {"seq": i}}))
         counts = {w: server.store.queue_len(keys.worker_inbox(w)) for w in "abc"}
         assert counts == {"a": 1, "b": 1, "c": 0}, counts
+        known = Acknowledger(Channel(server.store, secret, DRIVER), keys, every_s=0.3, known={"a", "b"}.__contains__)
+        known(_node_hb("b", 1, {"stranger": {"seq": 1, "waiting": 3}}))  # an id no worker of the job has
+        assert server.store.queue_len(keys.worker_inbox("stranger")) == 0
         time.sleep(0.35)
         ack({"from": "a", "n": 99, "k": "hb", "seq": 99, "waiting": 3})
         assert server.store.queue_len(keys.worker_inbox("a")) == 2
@@ -343,3 +361,31 @@ def test_a_node_heartbeat_round_trip_through_the_store(pool):
     assert receive.forged == 1 and msg["beats"] == {"a": {"seq": 3}, "b": {"seq": 4}}
     pool.apply(msg)
     assert (pool.records["a"].beat_seq, pool.records["b"].beat_seq) == (3, 4)
+
+
+def test_a_strangers_symlinks_are_never_followed_written_through_or_swept(tmp_path):
+    """The beats live under this user's private root (``elastic_ring-<uid>``, 0o700, a real directory): a symlink
+    planted as an old node directory is not swept through (the files it points at stay), a symlinked job directory
+    and a root open to others are refused (NodeBeats raises PermissionError: the worker then beats on its own)."""
+    secret = os.urandom(32)
+    root = tmp_path / "tmp"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    NodeBeats(JOB, NODE, "a", secret, INTERVAL_S, root=str(root)).close()  # makes this user's root
+    user_root = pathlib.Path(node_directory(JOB, NODE, str(root))).parents[1]
+    assert user_root.name == f"elastic_ring-{os.getuid()}" and (user_root.stat().st_mode & 0o777) == 0o700
+    (user_root / "old-job").mkdir()
+    os.symlink(victim, user_root / "old-job" / "n")  # looks like a node directory left behind an hour ago
+    long_ago = time.time() - 7200
+    os.utime(victim, (long_ago, long_ago))
+    NodeBeats(JOB, NODE, "b", secret, INTERVAL_S, root=str(root)).close()  # its sweep runs
+    assert sorted(os.listdir(victim)) == ["precious.txt"]
+    os.symlink(victim, user_root / "job-link")
+    with pytest.raises(PermissionError, match="symlink"):
+        NodeBeats("job-link", NODE, "c", secret, INTERVAL_S, root=str(root))
+    assert sorted(os.listdir(victim)) == ["precious.txt"]  # nothing written through it
+    os.chmod(user_root, 0o777)
+    with pytest.raises(PermissionError, match="mode 0o777"):
+        NodeBeats(JOB, NODE, "d", secret, INTERVAL_S, root=str(root))

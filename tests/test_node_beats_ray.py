@@ -20,7 +20,7 @@ from tests.test_trainer_ray import check_invariant
 def test_the_node_survives_the_loss_of_its_forwarding_worker(ray_session, tmp_path, kind):
     note = tmp_path / "forwarder"
     started = time.monotonic()
-    result = ElasticTrainer(min_workers=2, max_workers=3, heartbeats="node", heartbeat_timeout_s=2.0,
+    result = ElasticTrainer(min_workers=2, max_workers=3, heartbeats="node", heartbeat_timeout_s=3.0,
                             collective_timeout_s=30, progress=False).run(
         ray_jobs.train, config={"epochs": 2, "faults": [(1, -1, 8, kind)], "step_delay_s": 0.1,
                                 "forwarder_file": str(note)})
@@ -35,5 +35,5 @@ def test_the_node_survives_the_loss_of_its_forwarding_worker(ray_session, tmp_pa
     assert time.monotonic() - started < 60
     # A SIGSTOPped forwarder holds the node's lock until Ray kills it, after its node-mates left: its directory
     # stays until the next job's worker on this host sweeps it an hour later (NodeBeats.LEFT_BEHIND_S); not here
-    for left in glob.glob(os.path.join(tempfile.gettempdir(), "elastic_ring", "*", "*", f"{forwarder}.beat")):
+    for left in glob.glob(os.path.join(tempfile.gettempdir(), f"elastic_ring-{os.getuid()}", "*", "*", f"{forwarder}.beat")):
         shutil.rmtree(os.path.dirname(os.path.dirname(left)), ignore_errors=True)

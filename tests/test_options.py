@@ -124,3 +124,8 @@ def test_defaults_and_derived():
     assert TrainerConfig(max_workers=64).limits.suspect_after_s == 2.0
     assert TrainerConfig(max_workers=4, heartbeats="node").limits.suspect_after_s == 2.0
     assert TrainerConfig(max_workers=64, heartbeats="worker").limits.suspect_after_s == 1.5
+    # "auto" stays per worker when heartbeat_timeout_s is too short for per node; "node" with it is refused
+    assert TrainerConfig(max_workers=64, heartbeat_timeout_s=1.5).heartbeat_mode == "worker"
+    assert TrainerConfig(max_workers=64, heartbeat_timeout_s=2.0).heartbeat_mode == "node"
+    with pytest.raises(ValueError, match=r"heartbeats='node' with heartbeat_timeout_s=1.5.*heartbeat_timeout_s >= 2"):
+        TrainerConfig(heartbeats="node", heartbeat_timeout_s=1.5)

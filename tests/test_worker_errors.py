@@ -106,14 +106,15 @@ def test_giving_up_after_max_failures_names_the_last_error_of_a_dropped_worker()
 
 def test_the_exception_fn_raised_travels_as_cause_when_it_pickles_and_is_left_out_when_not():
     """``WorkerError.cause`` (what Ray Train's ``worker_failures`` shows): the exception itself through Ray's
-    pickling; one that cannot be pickled (it holds a lock) is left out, never failing the error's own trip."""
+    pickling; one that cannot be pickled (it holds a lock), or whose class cannot be rebuilt where the error is
+    unpickled (a library only the workers have), is left out: the error's own trip never fails."""
     import pickle
     import threading
 
-    from ray_integration.worker.actor import _picklable
+    from ray_integration.errors import _rebuild_worker_error
 
     raised = KeyError("missing column 'label'")
-    error = pickle.loads(pickle.dumps(WorkerError("w1", 1, "node1", "host", "Traceback ...", cause=_picklable(raised))))
+    error = pickle.loads(pickle.dumps(WorkerError("w1", 1, "node1", "host", "Traceback ...", cause=raised)))
     assert type(error.cause) is KeyError and error.cause.args == raised.args and error.rank == 1
 
     class HoldsALock(Exception):
@@ -121,9 +122,25 @@ def test_the_exception_fn_raised_travels_as_cause_when_it_pickles_and_is_left_ou
             super().__init__("held")
             self.lock = threading.Lock()
 
-    assert _picklable(HoldsALock()) is None
-    error = pickle.loads(pickle.dumps(WorkerError("w1", 1, "node1", "host", "Traceback ...", cause=None)))
-    assert error.cause is None and "Traceback ..." in str(error)
+    error = pickle.loads(pickle.dumps(WorkerError("w1", 1, "node1", "host", "Traceback ...", cause=HoldsALock())))
+    assert error.cause is None and "Traceback ..." in str(error) and error.rank == 1
+    # bytes whose class the driver cannot import (a library only the workers have): what the driver's unpickling meets
+    import sys
+    import types
+
+    import ray.cloudpickle
+
+    only_on_workers = types.ModuleType("only_on_the_workers")
+    only_on_workers.LibError = type("LibError", (Exception,), {"__module__": "only_on_the_workers"})
+    sys.modules["only_on_the_workers"] = only_on_workers
+    try:
+        blob = ray.cloudpickle.dumps(only_on_workers.LibError("kernel failed"))
+    finally:
+        del sys.modules["only_on_the_workers"]
+    with pytest.raises(ModuleNotFoundError):
+        ray.cloudpickle.loads(blob)
+    gone = _rebuild_worker_error("w1", 1, "node1", "host", "Traceback ...", "fn raised", blob)
+    assert gone.cause is None and gone.remote_traceback == "Traceback ..."
     # the run-ending error of worker_errors="replace" keeps the first error's cause
     from ray_integration.driver.states import _every_worker_failed
 

@@ -152,14 +152,19 @@ class _GlooBuckets(BucketPath):
 
     def launch(self, tensor: torch.Tensor) -> Work:
         comm: GlooCommunicator = self.comm  # type: ignore[assignment]
-        pg = comm._pg
-        if pg is None or comm._error is not None or comm._closed or self._recorded:
+        if comm._pg is None or comm._error is not None or comm._closed or self._recorded:
             return comm.allreduce(tensor, ReduceOp.SUM)  # its checks raise what is wrong; the timeline records it
         if comm.before_issue:  # an _async queue: what was called before this bucket goes out first
             comm.run_before_issue()
+        pg = comm._pg
+        if pg is None:  # aborted by another thread meanwhile: its checks raise
+            return comm.allreduce(tensor, ReduceOp.SUM)
         try:
             raw = pg.allreduce([tensor], self._opts)
         except _BACKEND_FAILURES as exc:
+            # the error's traceback keeps this frame: no local of it may hold the group, which must die on the
+            # reaper (comm.fail aborts), not wherever the error is collected (see _connect_pairs)
+            del pg
             raise comm.fail(exc) from exc
         work = _GlooWork.__new__(_GlooWork)  # no __init__ frame: this runs once per bucket
         work._work, work._timeout_s = raw, self._timeout_s

@@ -80,8 +80,10 @@ class Acknowledger:
     behind its inbox reads a worker's queued heartbeats in a burst; one word per interval is all a worker needs,
     and it gives up only after ``driver_silence_s``)."""
 
-    def __init__(self, send: Channel, keys: Keys, every_s: float) -> None:
+    def __init__(self, send: Channel, keys: Keys, every_s: float,
+                 known: Callable[[str], bool] | None = None) -> None:
         self._send, self._keys, self._every_s = send, keys, every_s
+        self._known = known  # whether an id inside a node_hb is one of the job's workers (others are not told)
         self._last: dict[str, float] = {}  # worker id -> when it was last told (driver clock)
 
     def __call__(self, msg: dict) -> None:
@@ -90,8 +92,8 @@ class Acknowledger:
             self._pending(msg["from"], msg.get("waiting"))
         elif kind is WorkerKind.NODE_HEARTBEAT and isinstance(msg.get("beats"), dict):
             for worker_id, beat in msg["beats"].items():  # (a pending only says the driver is alive: no node check)
-                if isinstance(beat, dict):
-                    self._pending(str(worker_id), beat.get("waiting"))
+                if isinstance(beat, dict) and (self._known is None or self._known(worker_id)):
+                    self._pending(worker_id, beat.get("waiting"))
 
     def _pending(self, worker_id: str, waiting: Any) -> None:
         if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting <= 0:

@@ -211,8 +211,8 @@ class WorkerPool:
         changed something the driver's states decide on (:func:`.decisions.wakes_states`)."""
         record = self.records.get(msg["from"])
         kind = WorkerKind.of(msg)
-        if record is None or record.dead or kind is None:
-            return False
+        if record is None or kind is None or record.dead and kind is not WorkerKind.NODE_HEARTBEAT:
+            return False  # (a dead sender's node_hb still counts for its live node-mates: they sent no hb of their own)
         changed = _HANDLERS[kind](self, record, msg, time.monotonic())
         return wakes_states(kind.value, changed)
 

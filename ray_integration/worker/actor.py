@@ -100,17 +100,6 @@ def _describe_failure(exc: BaseException) -> str:
     return "fn raised"
 
 
-def _picklable(exc: BaseException) -> BaseException | None:
-    """``exc`` itself when Ray can carry it to the driver (``WorkerError.cause``), else None (the traceback says it)."""
-    import ray.cloudpickle
-
-    try:
-        ray.cloudpickle.loads(ray.cloudpickle.dumps(exc))
-    except Exception:  # any failure to pickle or rebuild it: an exception holding a lock, a socket, a lambda...
-        return None
-    return exc
-
-
 class RingWorker:
     def __init__(self, worker_id: str, store_host: str, store_port: int, job_id: str, secret: bytes,
                  heartbeat_interval_s: float, connect_timeout_s: float) -> None:
@@ -233,14 +222,6 @@ class RingWorker:
                                                               event=event))
         data_input.install(settings.datasets)  # ElasticTrainer(datasets=...): get_dataset_shard(name) in fn
         self._flush_timeout_s = settings.flush_timeout_s
-        if settings.heartbeats == "node":
-            try:
-                node_beats = NodeBeats(self._job_id, self.node_id, self.worker_id, self._secret, self._interval_s)
-            except OSError as exc:  # no private directory on this node: this worker beats on its own
-                _log.warning("worker %s: node heartbeats unavailable (%s); sending its own", self.worker_id, exc)
-            else:
-                with self._beat_lock:
-                    self._node_beats = node_beats
         if settings.tune_allocator:
             allocator.tune()  # freed gradient-sized blocks stay in the heap: no page faults per step
         progress.clear()
@@ -252,6 +233,16 @@ class RingWorker:
             device = worker_cuda_device()  # from Ray's GPU ids and CUDA_VISIBLE_DEVICES (NOSET-aware)
             torch.cuda.set_device(device)
             self._rendezvous.cuda_device = device  # every ring spec names it: the current device is per thread
+        # last: nothing after it may raise (run() closes it only once _install returned; a worker whose start
+        # failed must not go on forwarding its node-mates' beats, or keep them from beating on their own)
+        if settings.heartbeats == "node":
+            try:
+                node_beats = NodeBeats(self._job_id, self.node_id, self.worker_id, self._secret, self._interval_s)
+            except OSError as exc:  # no private directory on this node: this worker beats on its own
+                _log.warning("worker %s: node heartbeats unavailable (%s); sending its own", self.worker_id, exc)
+            else:
+                with self._beat_lock:
+                    self._node_beats = node_beats
 
     def run(self, fn: Callable[[dict], Any], config: dict, settings: WorkerSettings) -> Any:
         """Run ``fn(config)`` as one worker of the job; returns what it returns."""
@@ -289,7 +280,7 @@ class RingWorker:
     def _error(self, exc: BaseException) -> WorkerError:
         rank = er.rank() if er.is_initialized() else None
         return WorkerError(self.worker_id, rank, self.node_id, self.hostname, traceback.format_exc(),
-                           _describe_failure(exc), _picklable(exc))
+                           _describe_failure(exc), exc)
 
     def _flush_checkpoints(self) -> None:
         """Wait (bounded) for this process's checkpoint writes. A failed or late one does not undo the training:

@@ -1,8 +1,10 @@
 """Heartbeats aggregated per node: one sealed ``node_hb`` message per node and interval instead of one ``hb`` per
 worker (``ElasticTrainer(heartbeats="node")``; :mod:`..wire.protocol`).
 
-The workers of one Ray node share a directory on that node, ``<tmp>/elastic_ring/<job>/<ray node id>/`` (0o700;
-keyed by the Ray node id, so that beats never cross Ray nodes even when several raylets share a host):
+The workers of one Ray node share a directory on that node, ``<tmp>/elastic_ring-<uid>/<job>/<ray node id>/``
+(keyed by the Ray node id, so that beats never cross Ray nodes even when several raylets share a host). Each level
+is a real directory (not a symlink: ``lstat``) of this user with mode 0o700, checked before anything is written or
+deleted there: a stranger on the host can neither read the beats nor point them, or the clean-up, elsewhere.
 
 * every worker, every heartbeat interval, writes its heartbeat (what its ``hb`` would carry: ``seq``, ``synced``,
   ``waiting``, ``reason``) to its own file ``<worker id>.beat``, sealed with the job's secret under a name that
@@ -31,6 +33,7 @@ its records place on the sender's node (:meth:`~ray_integration.driver.pool.Work
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -62,7 +65,20 @@ def node_directory(job_id: str, node_id: str, root: str | None = None) -> str:
     for what, value in (("job id", job_id), ("node id", node_id)):
         if not value or os.sep in value or value in (".", ".."):
             raise ValueError(f"NodeBeats: {what} {value!r} cannot name a directory")
-    return os.path.join(root or tempfile.gettempdir(), "elastic_ring", job_id, node_id)
+    return os.path.join(root or tempfile.gettempdir(), f"elastic_ring-{os.getuid()}", job_id, node_id)
+
+
+def _private_directory(path: str) -> None:
+    """Make ``path`` (its parent must exist) a directory of this user's alone, or raise PermissionError: an existing
+    one must be a real directory (``lstat``: a symlink is refused), owned by this user, with no group/other bits."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"NodeBeats: {path} is not this user's private directory (a symlink, another owner "
+                              f"(uid {info.st_uid}) or mode {oct(info.st_mode & 0o777)}); heartbeats stay per worker")
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,10 @@ class NodeBeats:
         self.job_id, self.node_id, self.worker_id = job_id, node_id, worker_id
         self._secret, self._interval_s = secret, interval_s
         self.directory = node_directory(job_id, node_id, root)
-        _sweep(os.path.dirname(os.path.dirname(self.directory)), keep=self.directory)
+        self._levels = (os.path.dirname(os.path.dirname(self.directory)), os.path.dirname(self.directory),
+                        self.directory)  # this user's root, the job's, the node's
+        _private_directory(self._levels[0])  # checked before the sweep deletes anything under it
+        _sweep(self._levels[0], keep=self.directory)
         self._make_directory()
         self._file = os.path.join(self.directory, worker_id + BEAT_SUFFIX)
         self._stamp = os.path.join(self.directory, STAMP_NAME)
@@ -95,11 +114,8 @@ class NodeBeats:
         self._forwarded_seq: dict[str, int] = {}
 
     def _make_directory(self) -> None:
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        info = os.stat(self.directory)
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise PermissionError(f"NodeBeats: {self.directory} is not this user's private directory (owner uid "
-                                  f"{info.st_uid}, mode {oct(info.st_mode & 0o777)}); heartbeats stay per worker")
+        for level in self._levels:
+            _private_directory(level)
 
     # ------------------------------------------------------------ names
     def _beat_name(self, worker_id: str) -> str:
@@ -226,25 +242,31 @@ class NodeBeats:
                 self.leader = False
 
 
+def _ours(name: str) -> bool:
+    return name.endswith((BEAT_SUFFIX, ".tmp")) or name in (STAMP_NAME, LOCK_NAME)
+
+
 def _sweep(top: str, keep: str) -> None:
-    """Delete the node directories under ``top`` (every job's) that nobody wrote for LEFT_BEHIND_S: a live one is
-    written every interval (each beat replaces its file there). Only this user's; errors are ignored."""
+    """Delete the node directories under ``top`` (this user's private root: every job's) that nobody wrote for
+    LEFT_BEHIND_S: a live one is written every interval (each beat replaces its file there). Symlinks are never
+    followed, and only NodeBeats' own file names are deleted; errors are ignored."""
+    oldest = time.time() - LEFT_BEHIND_S
     try:
-        jobs = os.listdir(top)
+        jobs = [e for e in os.scandir(top) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return
-    oldest = time.time() - LEFT_BEHIND_S
     for job in jobs:
-        job_dir = os.path.join(top, job)
         try:
-            for node in os.listdir(job_dir):
-                node_dir = os.path.join(job_dir, node)
-                info = os.stat(node_dir)
-                if node_dir != keep and info.st_uid == os.getuid() and info.st_mtime < oldest:
-                    for name in os.listdir(node_dir):
-                        os.remove(os.path.join(node_dir, name))
-                    os.rmdir(node_dir)
-            os.rmdir(job_dir)  # (fails while another node directory of the job is left: fine)
+            for node in os.scandir(job.path):
+                info = node.stat(follow_symlinks=False)
+                if (node.path == keep or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+                        or info.st_mtime >= oldest):
+                    continue
+                for entry in os.scandir(node.path):
+                    if _ours(entry.name) and not entry.is_dir(follow_symlinks=False):
+                        os.remove(entry.path)
+                os.rmdir(node.path)  # (fails if something not ours is left in it: kept)
+            os.rmdir(job.path)  # (fails while another node directory of the job is left: fine)
         except OSError:
             continue
 
