@@ -85,7 +85,7 @@ def test_node_removed_then_node_added(cluster, tmp_path):
     assert result.value["identical"] and result.value["seen"] == [12.0] * ray_jobs.N_SAMPLES
 
 
-@pytest.mark.slow  # ~19 s; failing clearly without capacity stays covered by test_drain_below_min_workers_persists_a_checkpoint_first
+@pytest.mark.slow  # ~19 s; failing without capacity stays covered by tests/test_drain_decisions.py (its table)
 def test_below_min_workers_waits_for_capacity_then_fails_clearly(cluster, tmp_path):
     nodes = [add_slot_node(cluster) for _ in range(2)]
     cluster.wait_for_nodes()
@@ -154,6 +154,7 @@ def test_draining_node_leaves_at_a_commit_without_rollback(cluster, tmp_path):
     assert result.value["identical"] and result.value["seen"] == [6.0] * ray_jobs.N_SAMPLES
 
 
+@pytest.mark.slow  # ~22 s; a drain below min_workers writing first stays covered by tests/test_reclaim_ray.py (short notice)
 def test_drain_below_min_workers_persists_a_checkpoint_first(cluster, tmp_path):
     nodes = [add_slot_node(cluster) for _ in range(2)]
     cluster.wait_for_nodes()
