@@ -187,3 +187,25 @@ def test_report_goes_to_the_installed_reporter(solo_ring):
     finally:
         set_reporter(None)
     assert len(seen) == 1 and seen[0]["loss"] == 0.5 and seen[0]["rank"] == 0 and seen[0]["world_size"] == 1
+
+
+def test_a_store_restarted_at_the_same_address_is_reconnected_not_taken_for_gone():
+    """The process keeps one store connection per address across rounds. A store that went and came back at the
+    same address (the port handed out again: how this file's per-test stores once failed the suite) must not fail
+    the next round with "the rendezvous store is gone": the dead connection is found and replaced."""
+    import gc
+
+    first = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = first.port
+    er.init(er.RingSpec(round_id=next(_rounds), rank=0, world_size=1, node_ids=("local",),
+                        store=er.StoreAddress("127.0.0.1", port), job_id="restarted-1"))
+    er.shutdown()
+    del first
+    gc.collect()
+    again = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841 (the new server)
+    er.init(er.RingSpec(round_id=next(_rounds), rank=0, world_size=1, node_ids=("local",),
+                        store=er.StoreAddress("127.0.0.1", port), job_id="restarted-2"))
+    try:
+        assert er.size() == 1 and er.allreduce(torch.ones(1), op=er.Sum).item() == 1.0
+    finally:
+        er.shutdown()

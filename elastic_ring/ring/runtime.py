@@ -76,6 +76,16 @@ def add_teardown_hook(hook: Callable[[], None]) -> None:
 
 def _store_client(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
     store = _stores.get(address)
+    if store is not None:
+        # a kept connection whose server went (a store that restarted at the same address, as a test's per-test
+        # server on a port the OS handed out again): its first write would fail the round as "the store is gone";
+        # one round trip finds it out, and a fresh connection replaces it
+        try:
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            store.num_keys()
+        except (RuntimeError, OSError):
+            del _stores[address]
+            store = None
     if store is None:
         try:
             store = dist.TCPStore(
