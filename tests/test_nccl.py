@@ -131,8 +131,6 @@ PROTOTYPES = {
     "ncclAllReduce": ["const void*", "void*", "size_t", "ncclDataType_t", "ncclRedOp_t", "ncclComm_t", "cudaStream_t"],
     "ncclBroadcast": ["const void*", "void*", "size_t", "ncclDataType_t", "int", "ncclComm_t", "cudaStream_t"],
     "ncclAllGather": ["const void*", "void*", "size_t", "ncclDataType_t", "ncclComm_t", "cudaStream_t"],
-    "ncclGroupStart": [],
-    "ncclGroupEnd": [],
     "ncclCommSplit": ["ncclComm_t", "int", "int", "ncclComm_t*", "ncclConfig_t*"],
     "ncclCommShrink": ["ncclComm_t", "int*", "int", "ncclComm_t*", "ncclConfig_t*", "int"],
     "ncclCommRevoke": ["ncclComm_t", "int"],

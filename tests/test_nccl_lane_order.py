@@ -120,16 +120,22 @@ def as_on_a_gpu(monkeypatch):
     runtime._current = None
 
 
-def _run_rank(rank: int, mode: str, orders: list[list[int]], record: list, stream, hold_first_s: float = 0.0):
-    """One simulated rank's steps: gradients handed to the reducer's hook in ``orders[step]``."""
-    lib = RankLib(hold_first_s)
-    comm = _rank_comm(rank, lib, record, stream)
+def _reducer_on(comm: NcclCommunicator, mode: str) -> tuple[Net, list, reducer_mod.GradReducer]:
+    """A Net, its named parameters and a reducer of them on bucket lane ``mode``, with ``comm`` the current ring."""
     model = Net()
     params = list(model.named_parameters())
     reducer = reducer_mod.GradReducer(params, ReduceOp.AVERAGE, Compression.none, bucket_bytes=2048,
                                       backward_passes_per_step=1, first_bucket_bytes=512)
     reducer.bucket_mode = mode
     runtime._current = comm
+    return model, params, reducer
+
+
+def _run_rank(rank: int, mode: str, orders: list[list[int]], record: list, stream, hold_first_s: float = 0.0):
+    """One simulated rank's steps: gradients handed to the reducer's hook in ``orders[step]``."""
+    lib = RankLib(hold_first_s)
+    comm = _rank_comm(rank, lib, record, stream)
+    model, params, reducer = _reducer_on(comm, mode)
     try:
         for step, order in enumerate(orders):
             lib.hold_first_s = hold_first_s  # this step's first bucket launch is slow on this rank
@@ -216,12 +222,7 @@ def test_a_failed_bucket_launch_surfaces_as_comm_error_with_clean_gradients_and_
 
     lib = FailingLib(fail_at=2)
     comm = _rank_comm(0, lib, cuda_free, fake_cuda.Stream())
-    model = Net()
-    params = list(model.named_parameters())
-    reducer = reducer_mod.GradReducer(params, ReduceOp.AVERAGE, Compression.none, bucket_bytes=2048,
-                                      backward_passes_per_step=1, first_bucket_bytes=512)
-    reducer.bucket_mode = mode
-    runtime._current = comm
+    model, params, reducer = _reducer_on(comm, mode)
     with pytest.raises(er.CommError, match="ncclRemoteError") as failed:
         for i in reversed(range(len(params))):  # autograd's usual order: the buckets go out during "backward"
             params[i][1].grad = torch.ones_like(params[i][1])

@@ -1,7 +1,7 @@
 """The NCCL bucket paths' CUDA-free parts on CPU: the FIFO launcher thread (order, one job at a time, drains,
 failures, stop), the communicator's use of it (another collective waits for queued buckets; close and abort stop it; a
-failed launch fails the communicator), one watchdog entry per step (OrderedWatch), grouped launches on the
-handle, and the option's validation. The CUDA parts run in tests/gpu/test_gpu_bucket_paths.py."""
+failed launch fails the communicator), one watchdog entry per step (OrderedWatch), and the option's
+validation. The CUDA parts run in tests/gpu/test_gpu_bucket_paths.py."""
 
 import contextlib
 import subprocess
@@ -271,33 +271,6 @@ def test_a_launch_racing_the_watchdogs_forgetting_is_never_unwatched():
     dog._watched[0].done = probe_then_launch
     dog.poll_once()
     assert dog.pending(comm) == 1 and watch.registrations == 2, "the second launch got an entry of its own"
-
-
-# ---------------------------------------------------------------- grouped launches on the handle
-class GroupLib(FakeLib):
-    def group_start(self):
-        self.calls.append("group_start")
-        return SUCCESS
-
-    def group_end(self):
-        self.calls.append("group_end")
-        return IN_PROGRESS
-
-
-def test_a_group_of_launches_is_always_ended_and_reports_the_failing_call():
-    lib = GroupLib()
-    handle = nccl_handle.CommHandle(lib, lib.init_ptr)
-    ok = lambda ptr, tag: lib.calls.append(tag) or SUCCESS  # noqa: E731
-    bad = lambda ptr, tag: lib.calls.append(tag) or 6  # noqa: E731
-    assert handle.call_group("allreduce of 2 buckets", [(ok, ("a",)), (ok, ("b",))]) == IN_PROGRESS
-    assert lib.calls == ["group_start", "a", "b", "group_end"]
-    lib.calls.clear()
-    with pytest.raises(NcclError, match="allreduce of 3 buckets failed with ncclRemoteError"):
-        handle.call_group("allreduce of 3 buckets", [(ok, ("a",)), (bad, ("b",)), (ok, ("c",))])
-    assert lib.calls == ["group_start", "a", "b", "group_end"]
-    handle.detach()
-    with pytest.raises(NcclError, match="aborted or destroyed"):
-        handle.call_group("allreduce", [(ok, ("a",))])
 
 
 # ---------------------------------------------------------------- the bucket paths on fake CUDA

@@ -169,16 +169,15 @@ class RingWorker:
                     self._flush_timeline()
                 except (RuntimeError, OSError) as exc:  # the store is unreachable for now: keep beating
                     _log.warning("worker %s: heartbeat failed (%s); trying again", self.worker_id, exc)
-            with self._beat_lock:
-                self._close_node_beats()  # stop_heartbeat: its file goes, the leader gives up the lock
         except BaseException as exc:  # surfaced to the driver, which then names it when it declares us dead
-            with self._beat_lock:
-                self._close_node_beats()
             try:
                 self._send.send(self._keys.driver_inbox, WorkerKind.FAULT, what="heartbeat thread",
                                 error=f"{type(exc).__name__}: {exc}")
             except (RuntimeError, OSError):
                 pass  # the store is unreachable: the driver sees silence, and its own error, soon
+        finally:
+            with self._beat_lock:
+                self._close_node_beats()  # the thread ends: its beat file goes, a leader gives up the lock
 
     def _flush_timeline(self) -> None:
         """Send the timeline events recorded since the last flush to the driver."""

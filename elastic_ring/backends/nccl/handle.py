@@ -54,34 +54,6 @@ class CommHandle:
                 raise NcclError(what, status, self.lib.last_error(self._ptr) or self.lib.error_string(status))
             return status
 
-    def call_group(self, what: str, calls: list[tuple[Callable[..., int], tuple]]) -> int:
-        """``fn(ptr, *args)`` for each of ``calls`` inside one ``ncclGroupStart`` / ``ncclGroupEnd`` (one launch for
-        all), under the lock: the group's status (in progress: settle it). The group is always ended, also when a
-        call inside it fails (NcclError names that call). NCCL plans a group as a whole (sorted by size, protocol
-        and channels from the aggregated size), so every rank must group the same collectives in the same way:
-        never group what happened to be ready together (the bucket lanes do not, see ``launcher.py``)."""
-        with self._lock:
-            if self._ptr is None:
-                raise NcclError(what, INVALID_USAGE, "the communicator was aborted or destroyed")
-            lib = self.lib
-            status = lib.group_start()
-            if status != SUCCESS:
-                raise NcclError("ncclGroupStart", status, lib.error_string(status))
-            failed: NcclError | None = None
-            try:
-                for fn, args in calls:
-                    status = fn(self._ptr, *args)
-                    if status not in (SUCCESS, IN_PROGRESS):
-                        failed = NcclError(what, status, lib.last_error(self._ptr) or lib.error_string(status))
-                        break
-            finally:
-                end = lib.group_end()
-            if failed is not None:
-                raise failed
-            if end not in (SUCCESS, IN_PROGRESS):
-                raise NcclError(f"{what} (ncclGroupEnd)", end, lib.last_error(self._ptr) or lib.error_string(end))
-            return end
-
     def derive(self, what: str, fn: Callable[[int], object]) -> object:
         """``fn(ptr)`` under the lock, returning what it returns (a new communicator from this one:
         shrink, grow, its grow id); NcclError when detached."""

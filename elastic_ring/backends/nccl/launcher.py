@@ -79,7 +79,7 @@ class Launcher:
     def drain(self, timeout_s: float) -> None:
         """Return once every job submitted so far has run; LauncherFailed if one raised, TimeoutError past
         ``timeout_s`` (a launch that does not return: the watchdog aborts the communicator meanwhile)."""
-        if self._submitted != self._taken:
+        if self.pending:
             marker = threading.Event()
             self._queue.put(marker)
             if not marker.wait(timeout_s):

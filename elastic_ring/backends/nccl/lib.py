@@ -171,11 +171,9 @@ class NcclLibrary:
         "ncclAllReduce": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
         "ncclBroadcast": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_int, _c_void_p, _c_void_p]),
         "ncclAllGather": (_c_int, [_c_void_p, _c_void_p, _c_size_t, _c_int, _c_void_p, _c_void_p]),
-        # Groups (CommHandle.call_group) and a blocking child for bucket allreduces (docs/gpu.md, the launch design
-        # not taken yet, measured by benchmarks.nccl_launch). The bucket lanes never group: a group is only safe
-        # when every rank groups the same collectives (launcher.py). Both exist from NCCL 2.18, below MIN_VERSION.
-        "ncclGroupStart": (_c_int, []),
-        "ncclGroupEnd": (_c_int, []),
+        # A blocking child for bucket allreduces (docs/gpu.md, the launch design not taken yet, measured by
+        # benchmarks.nccl_launch); from NCCL 2.18, below MIN_VERSION. (No groups: the bucket lanes never group, as a
+        # group is only safe when every rank groups the same collectives: launcher.py.)
         "ncclCommSplit": (_c_int, [_c_void_p, _c_int, _c_int, ctypes.POINTER(_c_void_p), ctypes.POINTER(Config)]),
     }
 
@@ -300,12 +298,6 @@ class NcclLibrary:
 
     def all_gather(self, comm: int, src: int, dst: int, count: int, dtype: int, stream: int) -> int:
         return self._ncclAllGather(src, dst, count, dtype, comm, stream)
-
-    def group_start(self) -> int:
-        return self._ncclGroupStart()
-
-    def group_end(self) -> int:
-        return self._ncclGroupEnd()
 
     def split(self, comm: int, color: int, key: int, blocking: bool) -> tuple["OutComm", int]:
         """Start splitting ``comm`` (every rank calls it; ``color`` picks the child, ``key`` orders its ranks) into a
