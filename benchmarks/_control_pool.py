@@ -49,7 +49,7 @@ class SimPool(WorkerPool):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ Ray's part, simulated
-    def request(self, count: int) -> None:
+    def request(self, count: int) -> int:
         """Like Ray creating ``count`` actors: records at once (pending actors count as requested); they start
         now, or at :meth:`release` while :attr:`hold` (the cluster has no room yet)."""
         asked = []
@@ -62,6 +62,7 @@ class SimPool(WorkerPool):
         self._held += asked
         if not self.hold:
             self.release()
+        return len(asked)
 
     def release(self) -> None:
         """Start the workers asked for while :attr:`hold` (their actors start)."""

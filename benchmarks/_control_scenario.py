@@ -4,6 +4,7 @@ simulated workers (see that module's docstring for what is real and what is simu
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import io
 import math
@@ -23,7 +24,7 @@ from typing import Any, Callable
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
           "heartbeat_lag_p99_s", "loop_cpu_per_s", "inbox_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s",
           "store_bytes_per_reform", "requests_sent_s", "loss_to_requests_s", "requests_to_spec_s", "drain_seen_s", "seen_to_notified_s",
-          "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
+          "loss_to_spec_max_s", "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
 
 PER_NODE = 8
 RESERVE = 16  # idle workers for the replacements
@@ -72,7 +73,8 @@ class _Scenario:
                 self.host_of[wid] = p
             proc = ctx.Process(target=sim.main, args=("127.0.0.1", self.server.address.port, self.secret,
                                                       self.keys.job, slots, opts["interval_s"], opts["report_hz"],
-                                                      self.commands[p], self.events, self.beats_root), daemon=True)
+                                                      self.commands[p], self.events, self.beats_root,
+                                                      opts.get("sim_nice", 0)), daemon=True)
             proc.start()
             self.procs.append(proc)
         self.formed: dict[int, dict[str, tuple[float, float]]] = {}
@@ -247,7 +249,8 @@ def _run(n: int, opts: dict) -> dict:
         result["profile"] = f"{path}\n{text.getvalue()}"
     lost = [e.detail.get("cause") for e in events.events if e.kind == "worker_lost"]
     if lost:
-        result["lost"] = f"{len(lost)} workers lost, e.g. {lost[0]}"
+        causes = collections.Counter(str(c)[:60] for c in lost)
+        result["lost"] = f"{len(lost)} workers lost: " + "; ".join(f"{k} ×{v}" for k, v in causes.most_common(4))
     result.pop("steps", None)
     if "error" in result:
         first, _, rest = result["error"].partition("\n")
@@ -278,6 +281,59 @@ def _counts(sc: _Scenario, pool: Any, driver_store: Any, recv_store: Any) -> dic
     return {"ops": workers["ops"] + driver_store.ops + recv_store.ops, "bytes": workers["bytes"] + driver_store.bytes
             + recv_store.bytes, "bg_msgs": pool.background_msgs, "hb_ops": workers["hb_ops"],
             "hb_bytes": workers["hb_bytes"]}
+
+
+def _loss_and_join(sc: _Scenario, driver: Any, pool: Any, driver_store: Any, recv_store: Any) -> dict[str, float]:
+    """The last rank is lost (Ray reports its actor dead and the survivors ask for a ring at that instant, as their
+    collective fails); once that re-form is measured, its replacement joins. Returns the figures of both."""
+    out: dict[str, float] = {}
+    ring = driver.ring
+    victim, survivors = ring.worker_ids[-1], list(ring.worker_ids[:-1])
+    pool.hold = True  # its replacement starts once the re-form is measured
+    before = _counts(sc, pool, driver_store, recv_store)
+    t_loss = time.time()
+    sc.command("kill", [victim])
+    pool.wakeups.put(("ray", [("dead", victim)]))  # Ray's watcher reports the actor dead
+    sc.command("fail", survivors)  # their collective failed at once
+    _wait(lambda: driver.ring is not None and driver.ring.round_id > ring.round_id, 120, "no ring after the loss")
+    lost = driver.ring
+    sc.wait_formed(lost.round_id, list(lost.worker_ids))
+    time.sleep(0.3)  # the old round's keys are cleaned up on the driver's next ticks
+    after = _counts(sc, pool, driver_store, recv_store)
+    out["loss_to_spec_s"] = _answered(pool, lost) - t_loss
+    # its parts: the survivors' ring requests sent (the simulated workers' side, on this VM's shared cores), then
+    # applied by the driver (its inbox's backlog included), then the driver's own (the decision, every answer)
+    last_request = max(pool.requested_at.get(w, float("-inf")) for w in survivors)
+    if last_request > t_loss:
+        out["requests_sent_s"] = max(pool.request_sent_at.get(w, t_loss) for w in survivors) - t_loss
+        out["loss_to_requests_s"] = last_request - t_loss
+        out["requests_to_spec_s"] = _answered(pool, lost) - last_request
+    bg_msgs = after["bg_msgs"] - before["bg_msgs"]
+    hb_ops = after["hb_ops"] - before["hb_ops"]
+    per_msg = (after["hb_bytes"] - before["hb_bytes"]) / hb_ops if hb_ops else 0.0
+    # the background's pushes are the workers' hb_ops; its pops are the driver's, one per background message
+    out["store_ops_per_reform"] = after["ops"] - before["ops"] - bg_msgs
+    out["store_bytes_per_reform"] = after["bytes"] - before["bytes"] - bg_msgs * per_msg
+    pool.release()
+    _wait(lambda: driver.ring.world_size == sc.n, 120, lambda: (
+        f"the replacement did not join: ring of {driver.ring.world_size}, {len(pool.live())} live, joiners "
+        f"{[r.worker_id for r in driver.joiners()]}, held {pool._held}"))
+    grown = driver.ring
+    sc.wait_formed(grown.round_id, list(grown.worker_ids))
+    joiners = [w for w in grown.worker_ids if w not in lost.worker_ids]
+    out["join_to_spec_s"] = _answered(pool, grown, joiners) - min(pool.started_at[w] for w in joiners)
+    _at_rest(pool, sc.opts["interval_s"])  # the next loss starts from a ring at rest
+    return out
+
+
+def _at_rest(pool: Any, interval_s: float) -> None:
+    """Wait until the driver heard every live worker within the last two heartbeat intervals: the simulated
+    workers, niced on this machine's shared cores, caught up with the formation's store traffic."""
+    def rested() -> bool:
+        now = time.monotonic()
+        return all(r.heard_at is not None and now - r.heard_at < 2 * interval_s for r in pool.live())
+    time.sleep(interval_s)
+    _wait(rested, 60, "the workers' heartbeats did not catch up after a re-form")
 
 
 def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: Any, recv_store: Any,
@@ -314,42 +370,16 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     result["heartbeat_lag_s"] = statistics.median(lags) if lags else None
     result["heartbeat_lag_p99_s"] = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None
 
-    # ---- loss of the last rank, then its replacement joins
-    ring = driver.ring
-    victim, survivors = ring.worker_ids[-1], list(ring.worker_ids[:-1])
-    pool.hold = True  # its replacement starts once the re-form is measured
-    before = _counts(sc, pool, driver_store, recv_store)
-    t_loss = time.time()
-    sc.command("kill", [victim])
-    pool.wakeups.put(("ray", [("dead", victim)]))  # Ray's watcher reports the actor dead
-    sc.command("fail", survivors)  # their collective failed at once
-    _wait(lambda: driver.ring is not None and driver.ring.round_id > ring.round_id, 120, "no ring after the loss")
-    lost = driver.ring
-    sc.wait_formed(lost.round_id, list(lost.worker_ids))
-    time.sleep(0.3)  # the old round's keys are cleaned up on the driver's next ticks
-    after = _counts(sc, pool, driver_store, recv_store)
-    result["loss_to_spec_s"] = _answered(pool, lost) - t_loss
-    # its parts: the survivors' ring requests sent (the simulated workers' side, on this VM's shared cores), then
-    # applied by the driver (its inbox's backlog included), then the driver's own (the decision, every answer)
-    last_request = max(pool.requested_at.get(w, float("-inf")) for w in survivors)
-    if last_request > t_loss:
-        result["requests_sent_s"] = max(pool.request_sent_at.get(w, t_loss) for w in survivors) - t_loss
-        result["loss_to_requests_s"] = last_request - t_loss
-        result["requests_to_spec_s"] = _answered(pool, lost) - last_request
-    bg_msgs = after["bg_msgs"] - before["bg_msgs"]
-    hb_ops = after["hb_ops"] - before["hb_ops"]
-    per_msg = (after["hb_bytes"] - before["hb_bytes"]) / hb_ops if hb_ops else 0.0
-    # the background's pushes are the workers' hb_ops; its pops are the driver's, one per background message
-    result["store_ops_per_reform"] = after["ops"] - before["ops"] - bg_msgs
-    result["store_bytes_per_reform"] = after["bytes"] - before["bytes"] - bg_msgs * per_msg
-    pool.release()
-    _wait(lambda: driver.ring.world_size == n, 120, lambda: (
-        f"the replacement did not join: ring of {driver.ring.world_size}, {len(pool.live())} live, joiners "
-        f"{[r.worker_id for r in driver.joiners()]}, held {pool._held}"))
+    # ---- losses of the last rank, each followed by the join of its replacement (--losses of them; medians)
+    losses: dict[str, list[float]] = {}
+    for _ in range(opts.get("losses", 1)):
+        for name, value in _loss_and_join(sc, driver, pool, driver_store, recv_store).items():
+            losses.setdefault(name, []).append(value)
+    for name, values in losses.items():
+        result[name] = statistics.median(values)
+    if len(losses.get("loss_to_spec_s", ())) > 1:
+        result["loss_to_spec_max_s"] = max(losses["loss_to_spec_s"])
     grown = driver.ring
-    sc.wait_formed(grown.round_id, list(grown.worker_ids))
-    joiners = [w for w in grown.worker_ids if w not in lost.worker_ids]
-    result["join_to_spec_s"] = _answered(pool, grown, joiners) - min(pool.started_at[w] for w in joiners)
 
     # ---- a node drains (a full one, not rank 0's)
     members = list(grown.worker_ids)

@@ -299,11 +299,14 @@ class WorkerHost:
 
 
 def main(host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, str]], interval_s: float,
-         report_hz: float, commands: Any, events: Any, beats_root: str | None = None) -> None:
-    """A worker process (``beats_root``: heartbeats="node", the nodes' directories there): connect every worker (in
+         report_hz: float, commands: Any, events: Any, beats_root: str | None = None, nice: int = 0) -> None:
+    """A worker process (``beats_root``: heartbeats="node", the nodes' directories there; ``nice``: its CPU
+    priority below the driver's, whose workers run on other machines in a job): connect every worker (in
     parallel), say ``ready``, then obey ``commands``:
     ``("start", wids)``, ``("fail", wids)`` (their collective failed: ask for a ring), ``("kill", wids)``,
     ``("counts", None)`` (answered on ``events``), ``("quit", None)``."""
+    if nice:
+        os.nice(nice)
     hosted = WorkerHost(host, port, secret, job, slots, interval_s, report_hz, events, beats_root)
     hosted.start_threads()
     events.put(("ready", None, None, None))

@@ -64,7 +64,7 @@ import os
 import queue
 import statistics
 
-from benchmarks._control_scenario import FIELDS, PER_NODE
+from benchmarks._control_scenario import FIELDS, PER_NODE, RESERVE
 
 
 def format_line(n: int, figures: dict[str, float]) -> str:
@@ -127,6 +127,12 @@ def main() -> None:
     parser.add_argument("--heartbeats", choices=("auto", "worker", "node"), default="auto",
                         help="ElasticTrainer(heartbeats=...): one message per worker, or per node of 8 forwarded by "
                              "one of its workers through real files (auto: as the product decides at each N)")
+    parser.add_argument("--losses", type=int, default=3,
+                        help="losses of a rank (each followed by its replacement's join) per N; the loss and join "
+                             "figures are their medians (and loss_to_spec_max_s the slowest)")
+    parser.add_argument("--sim-nice", type=int, default=19,
+                        help="the simulated workers' processes' niceness: in a job the workers run on other machines "
+                             "than the driver; 0 makes them compete with the driver for this machine's cores")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one N may take")
     parser.add_argument("--costs", type=int, nargs="+", metavar="N",
@@ -140,10 +146,16 @@ def main() -> None:
         return
     if any(n < PER_NODE * 2 for n in args.workers):
         parser.error(f"--workers must be at least {PER_NODE * 2} (a node of {PER_NODE} drains)")
+    if not 1 <= args.losses <= RESERVE - PER_NODE:
+        parser.error(f"--losses must be between 1 and {RESERVE - PER_NODE} (the idle workers held back "
+                     "for the replacements)")
+    if not 0 <= args.sim_nice <= 19:
+        parser.error("--sim-nice must be between 0 and 19")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     opts = {"steady_s": args.steady_s, "interval_s": args.interval_s, "report_hz": args.report_hz,
             "heartbeat_timeout_s": args.heartbeat_timeout_s, "heartbeats": args.heartbeats,
+            "losses": args.losses, "sim_nice": args.sim_nice,
             "profile": args.profile, "timeout_s": args.timeout_s}
     rows: dict[int, dict[str, float]] = {}
     failed = False

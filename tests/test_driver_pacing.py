@@ -48,11 +48,18 @@ def test_which_messages_wake_the_states(kind, changed, wakes):
     assert pacing.wakes_states(kind, changed) is wakes
 
 
-@pytest.mark.parametrize("relevant, since_step_s, due", [
-    (True, 0.0, True), (False, 0.0, False), (False, 0.099, False), (False, 0.1, True), (False, 5.0, True),
+@pytest.mark.parametrize("relevant, since_step_s, last_step_s, due", [
+    (True, 0.0, 0.0, True), (False, 0.0, 0.0, False), (False, 0.099, 0.0, False), (False, 0.1, 0.0, True),
+    (False, 5.0, 0.0, True),
+    (True, 0.0005, 0.0001, True),     # a step of 0.1 ms (a few dozen members): a request steps at once
+    (True, 0.003, 0.001, False),      # a step of 1 ms: the next waits until the loop has stepped a quarter
+    (True, 0.004, 0.001, True),       # of the time since the last one began
+    (True, 0.05, 0.05, False),        # a step of 50 ms: never later than the tick
+    (True, 0.1, 0.05, True),
+    (False, 0.05, 0.001, False),      # nothing relevant: the tick
 ])
-def test_when_a_step_is_due(relevant, since_step_s, due):
-    assert pacing.step_due(relevant, since_step_s, 0.1) is due
+def test_when_a_step_is_due(relevant, since_step_s, last_step_s, due):
+    assert pacing.step_due(relevant, since_step_s, 0.1, last_step_s) is due
 
 
 class _Job:
@@ -173,6 +180,35 @@ def test_a_ring_request_steps_the_state_at_once(job):
         latencies.append(j.steps[before] - sent)
         j.wait(lambda: j.pool.records[wid].generation == 2, "the request applied")
     assert statistics.median(latencies) < 0.75 * TICK_S, latencies  # (the tick would be TICK_S away)
+
+
+def test_a_burst_of_requests_leaves_the_inbox_three_quarters_of_the_loop(job):
+    """At 1,024 members a step costs several ms, and the re-form after a loss brings 1,023 ring requests: stepping at
+    once for each kept the loop stepping back to back, and the inbox thread (which needs the GIL after each pop)
+    handed over about one message per step. The loop now steps at most MAX_STEP_SHARE of the time while requests
+    keep coming. Here every step holds the GIL 10 ms longer and a request arrives every 2 ms for 0.6 s."""
+    j = job(16)
+    j.running()
+    advance, busy = j.driver.advance, []
+
+    def slow(state):
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.01:  # the GIL held, as a step over many members holds it
+            pass
+        out = advance(state)
+        busy.append((started, time.perf_counter()))
+        return out
+
+    j.driver.advance = slow  # type: ignore[method-assign]
+    time.sleep(0.2)
+    started = time.perf_counter()
+    while time.perf_counter() - started < 0.6:
+        j.message(j.order[0], WorkerKind.RING_REQUEST, generation=2, reason="failure")
+        time.sleep(0.002)
+    ended = time.perf_counter()
+    stepping = sum(min(b, ended) - max(a, started) for a, b in busy if b > started and a < ended)
+    assert stepping <= (pacing.MAX_STEP_SHARE + 0.1) * (ended - started) + 0.02, (stepping, ended - started, len(busy))
+    j.wait(lambda: j.pool.records[j.order[0]].generation == 2, "the request applied")
 
 
 # ---------------------------------------------------------------- one Context per step (plan item 2)

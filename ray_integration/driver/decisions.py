@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..config import STUCK_GRACE_S, Limits  # noqa: F401  (Limits: the deadlines every decision reads)
 from .drains import DRAIN_MARGIN_S, DrainView, KeepersStep, keepers_step, persist_due  # noqa: F401
 
 
-@dataclass(frozen=True)
-class MemberView:
-    """What the driver knows of one member of the current ring."""
+class MemberView(NamedTuple):
+    """What the driver knows of one member of the current ring. (A named tuple, not a frozen dataclass: the driver
+    builds one per member at every step, 1,024 of them at 1,024 workers, and a tuple is built in half the time.)"""
 
     worker_id: str
     dead: bool = False

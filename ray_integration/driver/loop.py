@@ -156,8 +156,7 @@ class Driver:
             case RequestCapacity():
                 counted = [r for r in self.pool.live() if not r.leaving and r.node_id not in self.draining]
                 wanted = decisions.workers_to_request(len(counted), self.config.max_workers)
-                self.pool.request(wanted)
-                return wanted > 0
+                return self.pool.request(wanted) > 0  # (no new record: the Context would show nothing new)
             case Form(staying, joiners, reason, stop, handover, extra, persist):
                 self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra,
                           persist)
@@ -355,10 +354,11 @@ class Driver:
         watcher = RayWatcher(self.pool, self.wakeups)
         watcher.start()
         last = stepped = time.monotonic()
-        relevant = True
+        relevant, step_s = True, 0.0
         try:
             while not state.terminal:
-                relevant = self._take_wakeups(max(0.0, stepped + TICK_S - time.monotonic())) or relevant
+                due = stepped + pacing.step_gap_s(relevant, step_s, TICK_S)
+                relevant = self._take_wakeups(max(0.0, due - time.monotonic())) or relevant
                 now = time.monotonic()
                 if decisions.driver_stalled(now - last, now - self.last_grace, self.limits):
                     self.last_grace = now
@@ -368,13 +368,14 @@ class Driver:
                 last = now
                 self.inbox.tick(now)
                 self.pool.inbox_delay_s = self.inbox.delay_s(now)
-                if not pacing.step_due(relevant, now - stepped, TICK_S):
-                    continue  # only heartbeats and reports: applied, the state steps at the tick
+                if not pacing.step_due(relevant, now - stepped, TICK_S, step_s):
+                    continue  # only heartbeats and reports (the state steps at the tick), or too soon after a step
                 relevant, stepped = False, now
                 self.newly_draining = ()
                 state = self.advance(state)
                 if on_tick is not None and not state.terminal:  # the caller checks the ended run itself
                     on_tick(self)
+                step_s = time.monotonic() - stepped
             return state
         finally:
             watcher.close()

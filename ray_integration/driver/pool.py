@@ -55,7 +55,9 @@ class WorkerPool:
         self.foreign_beats = 0  # node_hb entries refused: a worker unknown, dead or on another node than the sender
 
     # ------------------------------------------------------------ effects
-    def request(self, count: int) -> None:
+    def request(self, count: int) -> int:
+        """Ask Ray for ``count`` more workers (their records at once: pending actors count as requested); returns
+        how many records it added."""
         options: dict[str, Any] = {"num_cpus": self.config.cpus_per_worker, "num_gpus": self.config.worker_gpus,
                                    "max_concurrency": 4, "max_restarts": 0}
         if self.config.resources_per_worker:
@@ -72,6 +74,7 @@ class WorkerPool:
             self.records[worker_id] = record
             self._by_ref[record.info_ref] = (worker_id, "info")
             self._by_ref[record.run_ref] = (worker_id, "run")
+        return count
 
     def watched_refs(self) -> list[Any]:
         """The Ray object refs whose completion changes a record (for the driver's Ray watcher)."""

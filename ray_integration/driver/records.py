@@ -64,9 +64,12 @@ class WorkerRecord:
         return None if self.leave_by is None else self.leave_by - now
 
     def view(self, now: float, inbox_delay_s: float = 0.0) -> MemberView:
-        return MemberView(self.worker_id, dead=self.dead, finished=self.finished,
-                          waiting=self.reason if self.waiting else None, leaving=self.leaving, has_state=self.has_state,
-                          silent_s=self.silent_s(now, inbox_delay_s), leave_in_s=self.leave_in_s(now))
+        # (the properties above, inlined: the driver builds a view of every member at every step)
+        dead, beat_at, leave_by = self.dead, self.beat_at, self.leave_by
+        return MemberView(self.worker_id, dead, self.finished,
+                          self.reason if not dead and self.generation > self.answered else None, self.leaving,
+                          self.has_state, None if beat_at is None else max(0.0, now - beat_at - inbox_delay_s),
+                          None if leave_by is None else leave_by - now)
 
 
 @dataclass
