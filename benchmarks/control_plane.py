@@ -4,6 +4,7 @@
     python -m benchmarks.control_plane --workers 32 128 512 1024
     python -m benchmarks.control_plane --workers 32 128 512 --heartbeats worker   (or node; default auto)
     python -m benchmarks.control_plane --costs 32 128 512 1024   (the driver's pieces, one process)
+    python -m benchmarks.control_plane --burst 128 512 1024   (a loss's re-form by the driver alone)
 
 Prints one line per N::
 
@@ -42,7 +43,7 @@ the join of its replacement; a node draining (Ray's drain list) and its replacem
   re-form, from the loss until every survivor went through the formation's store traffic, driver and workers,
   heartbeats and reports left out.
 * ``notice_to_all_s``: from Ray marking the node draining to the last member receiving the driver's notice (the
-  driver polls the drain list every 0.5 s); its parts ``drain_seen_s`` (until the driver's poll saw it) and
+  driver polls the drain list every 0.2 s); its parts ``drain_seen_s`` (until the driver's poll saw it) and
   ``seen_to_notified_s`` (until the driver pushed its last notice); the rest is the simulated workers' receiving.
 * ``heartbeat_lag_s``: median, and ``heartbeat_lag_p99_s``, from a worker sending a heartbeat (or a node's
   forwarder sending its ``node_hb``) to the driver's loop applying it, in the steady state.
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--losses", type=int, default=3,
                         help="losses of a rank (each followed by its replacement's join) per N; the loss and join "
                              "figures are their medians (and loss_to_spec_max_s the slowest)")
-    parser.add_argument("--sim-nice", type=int, default=19,
+    parser.add_argument("--sim-nice", type=int, default=10,
                         help="the simulated workers' processes' niceness: in a job the workers run on other machines "
                              "than the driver; 0 makes them compete with the driver for this machine's cores")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
@@ -138,7 +139,15 @@ def main() -> None:
     parser.add_argument("--costs", type=int, nargs="+", metavar="N",
                         help="only measure what each piece of the driver's work costs at these N, in one process "
                              "(benchmarks/_control_costs.py), and exit")
+    parser.add_argument("--burst", type=int, nargs="+", metavar="N",
+                        help="only measure a loss's re-form by the driver alone, the machine to itself, at these N "
+                             "(benchmarks/_control_burst.py), and exit")
     args = parser.parse_args()
+    if args.burst:
+        from benchmarks import _control_burst
+
+        _control_burst.main(args.burst)
+        return
     if args.costs:
         from benchmarks import _control_costs
 

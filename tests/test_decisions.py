@@ -52,6 +52,19 @@ def test_after_probe(probe, verdict):
     assert decisions.after_probe(probe) is verdict
 
 
+@pytest.mark.parametrize("silent, heard, others", [
+    (1, 1_022, True),    # one worker's connection broke: it is lost and replaced
+    (1, 1, True),        # a job of two: the other is heard
+    (3, 5, True),
+    (4, 4, True),
+    (5, 4, False),       # most are silent: not their connections (a grace, then the run names it)
+    (1_011, 12, False),  # the mass kill measured at 1,024 simulated workers on a starved VM
+    (2, 0, False),       # nobody is heard
+])
+def test_the_driver_hears_the_others_only_when_the_silent_are_not_the_most(silent, heard, others):
+    assert decisions.others_heard(silent, heard) is others
+
+
 @pytest.mark.parametrize("times, others_heard, verdict, names", [
     (1, False, decisions.Verdict.UNHEARD, None),        # nobody is heard: a fresh grace, once
     (2, False, decisions.Verdict.UNHEARD, "tampering"),  # twice in a row: the run ends naming it

@@ -155,3 +155,34 @@ def test_invalid_placement_names_the_field(overrides, message):
         fields = {k: v for k, v in fields.items() if k in ("node_ids", "node_id", "local_rank")}
     with pytest.raises(ValueError, match=message):
         spec(**fields)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_ranks_spec_built_from_one_equals_the_one_built_and_checked_alone(layout):
+    """The driver builds a ring's answers with RingSpec.for_each_rank (one full check, not one per rank: 20 ->
+    3 ms at 1,024 ranks); each must be the spec RingSpec(...) builds and validates for that rank."""
+    node_ids, places = LAYOUTS[layout], er.placements(LAYOUTS[layout])
+    hosts = [f"10.0.0.{r}" if r % 2 else None for r in range(len(node_ids))]
+    common = dict(round_id=4, world_size=len(node_ids), store=STORE, job_id="job-a", auth_key=b"k" * 32,
+                  parent_round=3, parent_ranks=tuple(range(len(node_ids) - 1)) + (-1,), nccl_reform="shrink_grow")
+    first = er.RingSpec(rank=2, bind_host="h", **places[2]._asdict(), **common)
+    built = first.for_each_rank(places, hosts)
+    for rank, one in enumerate(built):
+        alone = er.RingSpec(rank=rank, bind_host=hosts[rank], **places[rank]._asdict(), **common)
+        assert one == alone and one.auth_key == alone.auth_key and one.placement == places[rank], (layout, rank)
+        assert one.to_wire() == alone.to_wire() and hash(one) == hash(alone)
+    assert first.rank == 2 and first.bind_host == "h"  # the spec it was built from is unchanged
+
+
+@pytest.mark.parametrize("places, hosts, message", [
+    (er.placements(("a", "b")), [None], r"2 placements and 1 bind hosts for a ring of world_size=2"),
+    (er.placements(("a",)), [None], r"1 placements and 1 bind hosts for a ring of world_size=2"),
+    ([er.placements(("a", "b"))[0], (0, 1)], [None, None], r"rank 1's placement \(0, 1\) is not a Placement"),
+    (er.placements(("a", "b")), [None, ""], r"rank 1's bind_host='' must be None or an address"),
+])
+def test_every_ranks_spec_rejects_what_does_not_fit_the_ring(places, hosts, message):
+    first = er.RingSpec(round_id=1, rank=0, world_size=2, store=STORE, **er.placements(("a", "b"))[0]._asdict())
+    with pytest.raises(ValueError, match=message):
+        first.for_each_rank(places, hosts)
+    with pytest.raises(ValueError, match="has node_ids"):
+        er.RingSpec(round_id=1, rank=0, world_size=2, store=STORE, node_ids=("a", "b")).for_each_rank(places, hosts)

@@ -184,6 +184,32 @@ class RingSpec:
         if not isinstance(self.homogeneous, bool):
             raise ValueError(f"RingSpec.homogeneous={self.homogeneous!r} must be True or False")
 
+    def for_each_rank(self, places: Sequence[Placement], bind_hosts: Sequence[str | None]) -> list["RingSpec"]:
+        """Every rank's spec of this ring, from this one (validated, of any rank, without ``node_ids``): each with
+        its own ``rank``, placement (``places[rank]``, as :func:`placements` computes them) and ``bind_host``. What
+        the ranks share was validated once, in this spec; each rank's own values are checked here. Building the
+        answers of a ring of 1,024 costs one check, not 1,024 (a full check is 20 µs)."""
+        world = self.world_size
+        if self.node_ids is not None:
+            raise ValueError("RingSpec.for_each_rank: this spec has node_ids (every rank derives its placement "
+                             "from them); build each rank's spec with RingSpec(..., rank=r) instead")
+        if len(places) != world or len(bind_hosts) != world:
+            raise ValueError(f"RingSpec.for_each_rank: {len(places)} placements and {len(bind_hosts)} bind hosts "
+                             f"for a ring of world_size={world}: give one of each per rank")
+        shared = dict(self.__dict__)
+        specs = []
+        for rank, (place, host) in enumerate(zip(places, bind_hosts)):
+            if not isinstance(place, Placement) or not 0 <= place.local_rank < place.local_size <= world:
+                raise ValueError(f"RingSpec.for_each_rank: rank {rank}'s placement {place!r} is not a Placement of "
+                                 f"this ring (use er.placements(node_ids))")
+            if host is not None and (not isinstance(host, str) or not host):
+                raise ValueError(f"RingSpec.for_each_rank: rank {rank}'s bind_host={host!r} must be None or an "
+                                 "address of its machine")
+            spec = object.__new__(RingSpec)
+            spec.__dict__.update(shared, rank=rank, bind_host=host, **place._asdict())
+            specs.append(spec)
+        return specs
+
     @property
     def placement(self) -> Placement:
         """This rank's :class:`Placement`; ValueError if the spec has none (neither node_ids nor its fields)."""

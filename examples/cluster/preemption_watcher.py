@@ -10,7 +10,7 @@ It polls the instance metadata service every ``--interval-s`` seconds: on AWS th
 terminated), on GCP ``instance/preempted`` (about 30 seconds before). On a notice it runs
 ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`` for its own
 node once, and exits. Ray then places nothing new there, and elastic_ring's driver, which polls
-Ray's draining nodes every 0.5 s, has the workers on that node leave the ring at their next
+Ray's draining nodes every 0.2 s, has the workers on that node leave the ring at their next
 ``state.commit()``: no rollback, no lost step, and a durable checkpoint first if the ring left
 behind would be smaller than ``min_workers``.
 

@@ -100,6 +100,17 @@ def after_probe(probe: Probe) -> Verdict:
 UNHEARD_TO_FAIL = 2
 
 
+def others_heard(silent: int, heard: int) -> bool:
+    """Whether the driver hears the job's other workers, while ``silent`` live workers answer through Ray but their
+    messages do not arrive and ``heard`` others' do: when it hears at least as many as are silent, each silent one's
+    own connection is at fault (it is lost and replaced). When most are silent, it is something between the workers
+    and the driver (its store, its inbox, the network, tampering, a driver or cluster starved of CPU): killing them
+    would end the job for it, so they are treated as when nobody is heard (a grace, then the run names it). Measured:
+    1,011 of 1,023 healthy simulated workers killed at once before this rule (``benchmarks.control_plane``, the
+    simulation starved of CPU during a re-form)."""
+    return heard > 0 and heard >= silent
+
+
 def unheard_verdict(worker_id: str, times: int, forged: int, others_heard: bool) -> tuple[Verdict, str | None]:
     """What to do when a live worker's messages went missing ``times`` times in a row. While the driver hears
     the other workers, it is that worker's connection to the store: a lost worker (KILL, replaced). When it

@@ -84,7 +84,8 @@ def ring_specs(ring: Ring, parent: Ring | None, lineage: bool, bind_hosts: Seque
     table is computed once (O(n)). ``lineage``: name the parent round and each rank's rank in it (an NCCL
     ``shrink_grow`` ring); ``bind_hosts``: each rank's address; ``common``: the fields every rank shares."""
     ranks = parent_ranks(parent, ring) if lineage else None
-    lineage_fields = {"parent_round": parent.round_id if ranks else None, "parent_ranks": ranks}
-    return [RingSpec(round_id=ring.round_id, rank=rank, world_size=ring.world_size, bind_host=bind_hosts[rank],
-                     **place._asdict(), **lineage_fields, **common)
-            for rank, place in enumerate(placements(ring.node_ids))]
+    places = placements(ring.node_ids)
+    first = RingSpec(round_id=ring.round_id, rank=0, world_size=ring.world_size, bind_host=bind_hosts[0],
+                     **places[0]._asdict(), parent_round=parent.round_id if ranks else None, parent_ranks=ranks,
+                     **common)  # validated in full once; each rank's own values by for_each_rank
+    return first.for_each_rank(places, bind_hosts)

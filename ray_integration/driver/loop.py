@@ -40,8 +40,9 @@ from .watcher import RayWatcher
 
 #: The driver's timers (silence, deadlines, drains) are looked at least this often.
 TICK_S = 0.1
-#: How often the driver asks Ray which nodes are draining (a GCS call).
-DRAIN_POLL_S = 0.5
+#: How often the driver asks Ray which nodes are draining (a GCS call: 0.15 ms wall, 0.035 ms CPU on a local GCS;
+#: a drain notice reaches the workers at most this much later than Ray knew of it).
+DRAIN_POLL_S = 0.2
 
 
 class Driver:
@@ -280,8 +281,9 @@ class Driver:
         if not verdicts:
             return False
         silent = {r.worker_id for r, kill in verdicts if kill.confirm}
-        others_heard = any(r.worker_id not in silent and r.heard_at is not None and
-                           now - r.heard_at < self.limits.heartbeat_timeout_s / 2 for r in self.pool.live())
+        heard = sum(1 for r in self.pool.live() if r.worker_id not in silent and r.heard_at is not None and
+                    now - r.heard_at < self.limits.heartbeat_timeout_s / 2)
+        others_heard = decisions.others_heard(len(silent), heard)
         changed = False
         for r, kill in verdicts:
             verdict = decisions.after_probe(self.pool.probe(r, now)) if kill.confirm else Verdict.KILL
