@@ -11,7 +11,9 @@ let go; the next loss is of that ring's last rank (rings of N, N − 1, ...). Me
 * ``burst_to_spec_ms``: from that instant to the last survivor's ring answer pushed (its inbox read every request,
   the loop stepped, aborted the old round, formed the ring and answered every survivor);
 * ``loop_cpu_ms`` / ``inbox_cpu_ms``: the two threads' CPU time in that window;
-* ``steps``: how many times the loop stepped its state in it.
+* ``steps``: how many times the loop stepped its state in it;
+* then a node of the ring drains (Ray's drain list): ``drain_seen_ms`` until the driver's poll saw it (it polls
+  every ``DRAIN_POLL_S``), ``drain_notified_ms`` until it pushed its last notice to the ring's members.
 """
 
 from __future__ import annotations
@@ -118,7 +120,17 @@ def burst(n: int, reps: int = REPS) -> dict[str, float]:
             samples["loop_cpu_ms"].append((cpu_s(loop) - loop_cpu) * 1000)
             samples["inbox_cpu_ms"].append((cpu_s(inbox_thread) - inbox_cpu) * 1000)
             samples["steps"].append(len(steps) - before)
-        return {name: statistics.median(values) for name, values in samples.items()}
+        out = {name: statistics.median(values) for name, values in samples.items()}
+        # a node drains (Ray's drain list): until the driver's poll saw it, and until its last notice was pushed
+        ring = driver.ring
+        push([sealed(w, WorkerKind.HEARTBEAT, seq=sent[w] + 1, waiting=0, synced=True) for w in ring.worker_ids])
+        time.sleep(0.3)
+        started = time.time()
+        pool.draining_script = {ring.node_ids[len(ring.node_ids) // 2]: int((started + 120) * 1000)}
+        wait(lambda: ring.round_id in pool.notified_at, "the drain was not notified")
+        out["drain_seen_ms"] = (pool.drain_seen_at - started) * 1000
+        out["drain_notified_ms"] = (pool.notified_at[ring.round_id] - started) * 1000
+        return out
     finally:
         gate.set()
         driver.abort("the burst measurement ended")
@@ -129,7 +141,7 @@ def burst(n: int, reps: int = REPS) -> dict[str, float]:
 
 
 def main(ns: list[int], reps: int = REPS) -> None:
-    names = ("burst_to_spec_ms", "loop_cpu_ms", "inbox_cpu_ms", "steps")
+    names = ("burst_to_spec_ms", "loop_cpu_ms", "inbox_cpu_ms", "steps", "drain_seen_ms", "drain_notified_ms")
     print("workers " + " ".join(f"{name:>16}" for name in names), flush=True)
     for n in ns:
         row = burst(n, reps)

@@ -28,14 +28,18 @@ address keys. **Simulated**: Ray (actor creation, completions, actor calls, kill
 has its own receiving connection; one connection per process sends). Connections open in parallel before any clock
 starts (a new connection may stall 5 s on this VM's reverse DNS).
 
-The scenario, per N (8 workers per node, Ray-sized node ids): the first ring; a steady state; the loss of the last
-rank (Ray reports its actor dead and the survivors ask for a ring at that instant, as their collective fails) and
-the join of its replacement; a node draining (Ray's drain list) and its replacements joining.
+The scenario, per N (8 workers per node, Ray-sized node ids): the first ring; a steady state; ``--losses`` times
+the loss of the last rank (Ray reports its actor dead and the survivors ask for a ring at that instant, as their
+collective fails) and the join of its replacement, each from a ring at rest (every worker heard within two
+intervals); a node draining (Ray's drain list) and its replacements joining. The simulated workers' processes run
+at ``--sim-nice`` (default 10) below the driver's: in a job they run on other machines; at 0 they starve the
+driver's process on this VM's 2 cores, at 19 they starve themselves during a re-form at 1,024.
 
 * ``driver_cpu_per_s``: the driver process's CPU seconds per second in the steady state (loop, inbox and store
   server threads; the scenario's own threads left out); ``loop_cpu_per_s`` the loop thread's share,
   ``inbox_cpu_per_s`` the inbox thread's (the rest: the store server's thread, Ray's watcher).
-* ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue; its parts:
+* ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue (the median over the
+  losses, ``loss_to_spec_max_s`` the slowest; its parts and ``join_to_spec_s`` are medians too); its parts:
   ``requests_sent_s`` (until the last survivor sent its ring request: the simulated workers' side, on the shared
   cores), ``loss_to_requests_s`` (until the driver applied it: the inbox's backlog included) and
   ``requests_to_spec_s`` (the driver's own: the decision, the ring, every answer).

@@ -5,7 +5,8 @@ step once per message: with N workers heartbeating every ``heartbeat_interval_s`
 (at 1,024 workers, about 31 cores' demand, measured by ``python -m benchmarks.control_plane --costs``). Every
 message is still *applied* to its worker's record at once (O(1)); the state steps at once only for what may
 change a decision (:func:`wakes_states`), else at the next tick (:func:`step_due`), as torchft's lighthouse
-computes its quorum on a fixed tick.
+computes its quorum on a fixed tick; and while such messages keep coming, at most :data:`MAX_STEP_SHARE` of the
+time (:func:`step_gap_s`).
 """
 
 from __future__ import annotations
