@@ -186,8 +186,9 @@ def test_a_burst_of_requests_leaves_the_inbox_three_quarters_of_the_loop(job):
     """At 1,024 members a step costs several ms, and the re-form after a loss brings 1,023 ring requests: stepping at
     once for each kept the loop stepping back to back, and the inbox thread (which needs the GIL after each pop)
     handed over about one message per step. The loop now steps at most MAX_STEP_SHARE of the time while requests
-    keep coming. Here every step holds the GIL 10 ms longer and a request arrives every 2 ms for 0.6 s."""
-    j = job(16)
+    keep coming. Here every step holds the GIL 10 ms longer and a sealed request arrives through the store and the
+    real inbox thread every 2 ms for 0.6 s."""
+    j = job(16, inbox=True)
     j.running()
     advance, busy = j.driver.advance, []
 
@@ -288,6 +289,38 @@ def test_a_driver_behind_its_inbox_kills_no_healthy_worker_and_still_the_frozen_
         beater.join(5)
     killed = sorted(w for w, r in j.pool.records.items() if r.dead)
     assert killed == sorted([lost, frozen]), {w: j.pool.records[w].cause for w in killed}
+
+
+def test_a_cut_found_in_batches_is_not_taken_for_each_workers_broken_connection(job):
+    """A live worker whose messages stopped while the driver hears the others is killed as a broken connection. When
+    most stopped, it is not their connections (the store, the network, a starved cluster): killing them ended a
+    simulated 1,024-worker job, batch after batch. Here 4 of 16 stop first (killed: 4 against 12 heard), then 5
+    more within two heartbeat timeouts: 5 + 4 against 7 heard, a grace (``messages_lost``), nobody killed."""
+    j = job(16, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    beating, waiting, stop = set(j.order), {}, threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            for wid in sorted(beating):
+                j.message(wid, waiting=waiting.get(wid, 0), reason="failure" if wid in waiting else None, synced=True)
+            stop.wait(0.2)
+
+    j.running()
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    first, cut, survivors = j.order[12:], j.order[7:12], j.order[:7]
+    try:
+        beating -= set(first)
+        j.wait(lambda: all(j.pool.records[w].dead for w in first), "the first four were not killed", 5.0)
+        assert all("connection to the job's store is broken" in j.pool.records[w].cause for w in first)
+        beating -= set(cut)
+        waiting.update({w: 2 for w in survivors})  # the survivors ask for the next ring; the cut stays silent
+        lost = lambda: {e.detail.get("worker") for e in j.driver.events.events if e.kind == "messages_lost"}
+        j.wait(lambda: set(cut) <= lost(), "the cut was not given a grace", 5.0)
+        assert not any(j.pool.records[w].dead for w in cut), {w: j.pool.records[w].cause for w in cut}
+    finally:
+        stop.set()
+        beater.join(5)
 
 
 def test_the_inbox_probe_measures_how_far_behind_the_driver_reads():
@@ -406,3 +439,23 @@ def test_the_silence_scan_builds_no_view_of_a_heard_worker(monkeypatch):
         assert driver.kill_silent([], None) and pool.records[order[500]].dead and views == [order[500]]
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("fields, now, delay", [
+    (dict(), 10.0, 0.0),                                                     # started, never heard
+    (dict(generation=2, answered=1, reason="failure", beat_at=9.0), 10.0, 0.0),  # waits for a ring
+    (dict(generation=2, answered=1, reason="failure", dead=True), 10.0, 0.0),    # dead: waits for nothing
+    (dict(generation=1, answered=1, reason="start", beat_at=9.5), 10.0, 2.0),    # heard after the inbox delay
+    (dict(leaving=True, leave_by=40.0, has_state=True, finished=True, beat_at=2.0), 10.0, 1.0),
+])
+def test_a_members_view_says_what_its_records_properties_say(fields, now, delay):
+    """``WorkerRecord.view`` builds the view inline (one per member per step at 1,024 members); it must say what
+    the record's own ``waiting``, ``silent_s`` and ``leave_in_s`` say."""
+    from ray_integration.driver.decisions import MemberView
+    from ray_integration.driver.records import WorkerRecord
+
+    r = WorkerRecord("w", None, None, None, created_at=0.0, **fields)
+    assert r.view(now, delay) == MemberView("w", dead=r.dead, finished=r.finished,
+                                            waiting=r.reason if r.waiting else None, leaving=r.leaving,
+                                            has_state=r.has_state, silent_s=r.silent_s(now, delay),
+                                            leave_in_s=r.leave_in_s(now))

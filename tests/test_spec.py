@@ -179,6 +179,11 @@ def test_every_ranks_spec_built_from_one_equals_the_one_built_and_checked_alone(
     (er.placements(("a",)), [None], r"1 placements and 1 bind hosts for a ring of world_size=2"),
     ([er.placements(("a", "b"))[0], (0, 1)], [None, None], r"rank 1's placement \(0, 1\) is not a Placement"),
     (er.placements(("a", "b")), [None, ""], r"rank 1's bind_host='' must be None or an address"),
+    ([er.placements(("a", "b"))[0], er.Placement("", 0, 1, 1, 2, 1, True)], [None, None], r"rank 1's placement"),
+    ([er.placements(("a", "b"))[0], er.Placement("b", 0, 1, 2, 2, 1, True)], [None, None], r"rank 1's placement"),
+    ([er.placements(("a", "b"))[0], er.Placement("b", 0, 1, 1, 2, 2, True)], [None, None], r"rank 1's placement"),
+    ([er.placements(("a", "b"))[0], er.Placement("b", 0, 1, 1, 2, 1, 1)], [None, None], r"rank 1's placement"),
+    ([er.placements(("a", "b"))[0], er.Placement("b", 0.0, 1, 1, 2, 1, True)], [None, None], r"rank 1's placement"),
 ])
 def test_every_ranks_spec_rejects_what_does_not_fit_the_ring(places, hosts, message):
     first = er.RingSpec(round_id=1, rank=0, world_size=2, store=STORE, **er.placements(("a", "b"))[0]._asdict())

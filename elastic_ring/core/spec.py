@@ -56,6 +56,15 @@ class Placement(NamedTuple):
 PLACEMENT_FIELDS = Placement._fields
 
 
+def _fits(place: Any, world: int) -> bool:
+    """``place`` is a Placement a ring of ``world`` ranks can hold (what ``_check_placement`` checks, in one
+    expression: :meth:`RingSpec.for_each_rank` runs it once per rank)."""
+    return isinstance(place, Placement) and isinstance(place.node_id, str) and bool(place.node_id) and \
+        all(type(v) is int for v in place[1:6]) and type(place.homogeneous) is bool and \
+        0 <= place.local_rank < place.local_size <= world and 0 <= place.cross_rank < place.cross_size <= world \
+        and 0 <= place.node_rank < world
+
+
 def placements(node_ids: Sequence[str]) -> list[Placement]:
     """Every rank's :class:`Placement` for the node of each rank (indexed by rank), in one O(n) pass."""
     on_node: dict[str, int] = {}
@@ -196,16 +205,17 @@ class RingSpec:
         if len(places) != world or len(bind_hosts) != world:
             raise ValueError(f"RingSpec.for_each_rank: {len(places)} placements and {len(bind_hosts)} bind hosts "
                              f"for a ring of world_size={world}: give one of each per rank")
-        shared = dict(self.__dict__)
+        shared = {f.name: getattr(self, f.name) for f in fields(self)}
+        cls = type(self)
         specs = []
         for rank, (place, host) in enumerate(zip(places, bind_hosts)):
-            if not isinstance(place, Placement) or not 0 <= place.local_rank < place.local_size <= world:
+            if not _fits(place, world):
                 raise ValueError(f"RingSpec.for_each_rank: rank {rank}'s placement {place!r} is not a Placement of "
-                                 f"this ring (use er.placements(node_ids))")
+                                 f"a ring of world_size={world} (use er.placements(node_ids))")
             if host is not None and (not isinstance(host, str) or not host):
                 raise ValueError(f"RingSpec.for_each_rank: rank {rank}'s bind_host={host!r} must be None or an "
                                  "address of its machine")
-            spec = object.__new__(RingSpec)
+            spec = object.__new__(cls)
             spec.__dict__.update(shared, rank=rank, bind_host=host, **place._asdict())
             specs.append(spec)
         return specs

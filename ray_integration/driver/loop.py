@@ -58,6 +58,7 @@ class Driver:
         self.draining: dict[str, int] = {}  # node id hex -> deadline ms, as of the last poll
         self.newly_draining: tuple[str, ...] = ()  # the workers the last poll of this tick marked leaving
         self.last_drain_poll = 0.0
+        self.broken_at: list[float] = []  # when workers were killed as broken connections (decisions.others_heard)
         self.stop_reason: str | None = None   # set (e.g. by a SIGTERM handler): stop at the next commit
         self.stop_requested_at: float | None = None
         self.abort_reason: str | None = None  # set by a second SIGTERM or the like: abandon the stop now
@@ -280,18 +281,24 @@ class Driver:
                 self.deferred_at = None
         if not verdicts:
             return False
+        probed = [(r, kill, decisions.after_probe(self.pool.probe(r, now)) if kill.confirm else Verdict.KILL)
+                  for r, kill in verdicts]
         silent = {r.worker_id for r, kill in verdicts if kill.confirm}
         heard = sum(1 for r in self.pool.live() if r.worker_id not in silent and r.heard_at is not None and
                     now - r.heard_at < self.limits.heartbeat_timeout_s / 2)
-        others_heard = decisions.others_heard(len(silent), heard)
+        # The live ones whose messages stopped, with those killed for it within two heartbeat timeouts: a cut that
+        # reaches the driver's probes in batches is still one cut, not a broken connection each.
+        self.broken_at = [t for t in self.broken_at if now - t < 2 * self.limits.heartbeat_timeout_s]
+        unheard = sum(1 for _, _, verdict in probed if verdict is Verdict.UNHEARD) + len(self.broken_at)
+        others_heard = decisions.others_heard(unheard, heard)
         changed = False
-        for r, kill in verdicts:
-            verdict = decisions.after_probe(self.pool.probe(r, now)) if kill.confirm else Verdict.KILL
+        for r, kill, verdict in probed:
             if verdict is Verdict.UNHEARD:
                 r.unheard += 1
                 verdict, message = decisions.unheard_verdict(r.worker_id, r.unheard, self.pool.forged(), others_heard)
                 if verdict is Verdict.KILL:
                     kill = Kill(message)
+                    self.broken_at.append(now)
                 else:
                     r.beat_at, changed = now, True
                     self.events.add("messages_lost", self.round_id, self.world_size, worker=r.worker_id,
@@ -375,9 +382,9 @@ class Driver:
                 relevant, stepped = False, now
                 self.newly_draining = ()
                 state = self.advance(state)
+                step_s = time.monotonic() - stepped  # (the step's O(members) work, not the caller's on_tick I/O)
                 if on_tick is not None and not state.terminal:  # the caller checks the ended run itself
                     on_tick(self)
-                step_s = time.monotonic() - stepped
             return state
         finally:
             watcher.close()

@@ -35,8 +35,9 @@ MAX_STEP_SHARE = 0.25
 def step_gap_s(relevant: bool, last_step_s: float, tick_s: float) -> float:
     """How long after the last step began the next one is due: at the tick (the timers: silence, deadlines, drain
     polls), or, when something decision-relevant arrived, once the loop has spent no more than
-    :data:`MAX_STEP_SHARE` of the time since stepping (``last_step_s``: what the last step took). At a few dozen
-    members a step takes well under a millisecond and a ring request still steps at once."""
+    :data:`MAX_STEP_SHARE` of the time since stepping (``last_step_s``: what the last step took; never later than
+    the tick, so the share holds for steps up to ``MAX_STEP_SHARE * tick_s``, 25 ms). At a few dozen members a step
+    takes well under a millisecond and a ring request still steps at once."""
     return min(tick_s, last_step_s / MAX_STEP_SHARE) if relevant else tick_s
 
 
