@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import WorkerError
-from .decisions import MemberView, StartFailureKind
+from .decisions import StartFailureKind
+from .liveness import MemberView
 
 
 @dataclass
