@@ -5,6 +5,7 @@
     python -m benchmarks.control_plane --workers 32 128 512 --heartbeats worker   (or node; default auto)
     python -m benchmarks.control_plane --costs 32 128 512 1024   (the driver's pieces, one process)
     python -m benchmarks.control_plane --burst 128 512 1024   (a loss's re-form by the driver alone)
+    python -m benchmarks.control_plane --ray-calls 127 511 1023   (a notice to every member through Ray)
 
 Prints one line per N::
 
@@ -146,7 +147,15 @@ def main() -> None:
     parser.add_argument("--burst", type=int, nargs="+", metavar="N",
                         help="only measure a loss's re-form by the driver alone, the machine to itself, at these N "
                              "(benchmarks/_control_burst.py), and exit")
+    parser.add_argument("--ray-calls", type=int, nargs="+", metavar="N",
+                        help="only measure what N fire-and-forget Ray actor calls (a notice to every member) cost "
+                             "the driver, on a local Ray (benchmarks/_control_raycalls.py), and exit")
     args = parser.parse_args()
+    if args.ray_calls:
+        from benchmarks import _control_raycalls
+
+        _control_raycalls.main(args.ray_calls)
+        return
     if args.burst:
         from benchmarks import _control_burst
 
