@@ -39,6 +39,7 @@ def burst(n: int, reps: int = REPS) -> dict[str, float]:
     from ray_integration.wire.settings import WorkerSettings
 
     from benchmarks._control_pool import SimPool
+    from benchmarks._control_scenario import thread_cpu_s
 
     secret, keys = new_secret(), Keys("job-burst")
     server = StoreServer("127.0.0.1", timeout_s=60.0)
@@ -92,9 +93,6 @@ def burst(n: int, reps: int = REPS) -> dict[str, float]:
         pool.hold = True  # the replacements never start: each measured re-form is a loss alone (N, N - 1, ...)
         samples: dict[str, list[float]] = {"burst_to_spec_ms": [], "loop_cpu_ms": [], "inbox_cpu_ms": [], "steps": []}
         inbox_thread = next(t for t in threading.enumerate() if t.name == "elastic-ring-driver-inbox")
-
-        def cpu_s(thread: threading.Thread) -> float:  # that thread's CPU clock (ns resolution, not /proc's ticks)
-            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
         for _ in range(reps):
             ring = driver.ring
             members = list(ring.worker_ids)
@@ -109,7 +107,7 @@ def burst(n: int, reps: int = REPS) -> dict[str, float]:
             push([held])  # the inbox thread pops it and holds
             time.sleep(0.05)
             push(requests)
-            loop_cpu, inbox_cpu = cpu_s(loop), cpu_s(inbox_thread)
+            loop_cpu, inbox_cpu = thread_cpu_s(loop.ident), thread_cpu_s(inbox_thread.ident)
             before = len(steps)
             started = time.time()
             wakeups.put(("ray", [("dead", members[-1])]))
@@ -117,8 +115,8 @@ def burst(n: int, reps: int = REPS) -> dict[str, float]:
             keys_answered = [(ring.round_id + 1, w) for w in survivors]
             wait(lambda: all(k in pool.answered_at for k in keys_answered), "the survivors were not answered")
             samples["burst_to_spec_ms"].append((max(pool.answered_at[k] for k in keys_answered) - started) * 1000)
-            samples["loop_cpu_ms"].append((cpu_s(loop) - loop_cpu) * 1000)
-            samples["inbox_cpu_ms"].append((cpu_s(inbox_thread) - inbox_cpu) * 1000)
+            samples["loop_cpu_ms"].append((thread_cpu_s(loop.ident) - loop_cpu) * 1000)
+            samples["inbox_cpu_ms"].append((thread_cpu_s(inbox_thread.ident) - inbox_cpu) * 1000)
             samples["steps"].append(len(steps) - before)
         out = {name: statistics.median(values) for name, values in samples.items()}
         # a node drains (Ray's drain list): until the driver's poll saw it, and until its last notice was pushed

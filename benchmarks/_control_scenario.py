@@ -31,12 +31,12 @@ RESERVE = 16  # idle workers for the replacements
 
 
 # ---------------------------------------------------------------- the driver's process
-def _thread_cpu_s(tid: int) -> float:
+def thread_cpu_s(ident: int) -> float:
+    """The CPU seconds of this process's thread ``ident`` (``threading.get_ident()``: its own CPU clock, ns
+    resolution, not /proc's ticks); 0.0 once it ended."""
     try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, ProcessLookupError):
         return 0.0
 
 
@@ -95,7 +95,7 @@ class _Scenario:
             self.commands[host].put((kind, some))
 
     def read_events(self, wakeups: "queue.SimpleQueue") -> None:
-        self.reader_tid = threading.get_native_id()
+        self.reader_tid = threading.get_ident()
         while True:
             try:
                 kind, wid, round_id, value = self.events.get()
@@ -216,7 +216,7 @@ def _run(n: int, opts: dict) -> dict:
                                 daemon=True)
     scenario.start()
     profile = cProfile.Profile() if opts.get("profile") else None
-    result["loop_tid"] = threading.get_native_id()
+    result["loop_tid"] = threading.get_ident()
     steps: list[float] = []
     advance = driver.advance
 
@@ -265,7 +265,7 @@ def _run(n: int, opts: dict) -> dict:
 
 def _script(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: Any, recv_store: Any) -> None:
     """The scenario (see the module docstring); fills ``result``; ends the driver's run."""
-    mine = {threading.get_native_id()}
+    mine = {threading.get_ident()}
     try:
         _phases(sc, driver, pool, result, driver_store, recv_store, mine)
     except BaseException as exc:  # noqa: BLE001 - the driver's process reports it
@@ -350,10 +350,10 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     loop_tid = result["loop_tid"]
     if sc.reader_tid is not None:
         mine.add(sc.reader_tid)
-    inbox_tid = next(t.native_id for t in threading.enumerate() if t.name == "elastic-ring-driver-inbox")
-    cpu0, loop0, t0 = time.process_time(), _thread_cpu_s(loop_tid), time.monotonic()
-    mine0 = sum(map(_thread_cpu_s, mine))
-    inbox0 = _thread_cpu_s(inbox_tid)
+    inbox_tid = next(t.ident for t in threading.enumerate() if t.name == "elastic-ring-driver-inbox")
+    cpu0, loop0, t0 = time.process_time(), thread_cpu_s(loop_tid), time.monotonic()
+    mine0 = sum(map(thread_cpu_s, mine))
+    inbox0 = thread_cpu_s(inbox_tid)
     pool.lags = []
     steps0, msgs0 = len(result["steps"]), pool.background_msgs
     time.sleep(opts["steady_s"])
@@ -363,9 +363,9 @@ def _phases(sc: _Scenario, driver: Any, pool: Any, result: dict, driver_store: A
     result["steps_per_s"] = len(steady_steps) / elapsed
     result["ms_per_step"] = 1000 * statistics.median(steady_steps) if steady_steps else None
     result["msgs_per_s"] = (pool.background_msgs - msgs0) / elapsed
-    result["driver_cpu_per_s"] = (time.process_time() - cpu0 - (sum(map(_thread_cpu_s, mine)) - mine0)) / elapsed
-    result["loop_cpu_per_s"] = (_thread_cpu_s(loop_tid) - loop0) / elapsed
-    result["inbox_cpu_per_s"] = (_thread_cpu_s(inbox_tid) - inbox0) / elapsed
+    result["driver_cpu_per_s"] = (time.process_time() - cpu0 - (sum(map(thread_cpu_s, mine)) - mine0)) / elapsed
+    result["loop_cpu_per_s"] = (thread_cpu_s(loop_tid) - loop0) / elapsed
+    result["inbox_cpu_per_s"] = (thread_cpu_s(inbox_tid) - inbox0) / elapsed
     lags.sort()
     result["heartbeat_lag_s"] = statistics.median(lags) if lags else None
     result["heartbeat_lag_p99_s"] = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None
