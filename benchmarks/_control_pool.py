@@ -8,7 +8,8 @@ stops, the inbox backlog: all inherited, unchanged), with the methods that talk 
   while the scenario holds them (:attr:`SimPool.hold`: no room in the cluster), when it releases them;
 * ``apply_ray`` reads the scenario's completions (``("info" | "dead" | "return", worker id)``) instead of
   ``ray.get`` on object refs; ``watched_refs`` is empty (nothing for the Ray watcher to wait on);
-* ``notify``, ``tell_preemption`` and ``abort_round`` (actor calls in a real job) push a sealed message into the worker's queue;
+* ``notify``, ``tell_preemption`` and ``abort_round`` are the real pool's: sealed pushes into each worker's queue,
+  which a real worker's mailbox thread reads (``notify`` also notes when a round's last notice was pushed);
 * ``kill`` tells the worker's process to drop it; ``probe`` answers at once from the scenario's truth;
 * ``draining_nodes`` returns the scenario's drains instead of asking Ray's GCS.
 
@@ -94,21 +95,9 @@ class SimPool(WorkerPool):
 
     def notify(self, records: list[WorkerRecord], round_id: int, change: bool = False, persist: bool = False,
                stop: bool = False, persist_id: int = 0, within_s: float | None = None) -> None:
-        for record in records:
-            if not record.dead:
-                self.send.send(self.keys.worker_inbox(record.worker_id), "sim_notify", round=round_id, change=change,
-                               persist=persist, stop=stop)
+        super().notify(records, round_id, change=change, persist=persist, stop=stop, persist_id=persist_id,
+                       within_s=within_s)
         self.notified_at[round_id] = time.time()
-
-    def tell_preemption(self, records: list[WorkerRecord], notice: dict) -> None:
-        for record in records:
-            if not record.dead and not record.finished:
-                self.send.send(self.keys.worker_inbox(record.worker_id), "sim_preemption")
-
-    def abort_round(self, records: list[WorkerRecord], round_id: int, why: str) -> None:
-        for record in records:
-            if not record.dead and not record.finished:
-                self.send.send(self.keys.worker_inbox(record.worker_id), "sim_abort", round=round_id)
 
     def probe(self, record: WorkerRecord, now: float) -> Probe:
         return Probe.UNANSWERED if record.dead else Probe.ANSWERED

@@ -11,16 +11,17 @@ driver's store, without ``fn``:
   (real beat files and leader lock in a temporary directory per simulated node; a node's workers live in
   different processes, as on a real node): one ``node_hb`` per node and interval, ``t`` its send time;
 * ring requests (``ring_request``), ``synced`` after a ring formed, and rank 0's ``report`` records;
-* a receiving thread per worker on its own connection, blocked in the real ``Channel.receive`` on its queue: ring
-  answers (validated with the real ``RingSpec.from_wire``), ``stop``, ``pending``, and the simulated pool's
-  stand-ins for the actor calls that Ray carries in a real job (``sim_notify``, ``sim_abort``, ``sim_kill``);
+* a receiving thread per worker on its own connection, blocked in the real ``Channel.receive`` on its queue, as a
+  real worker's mailbox thread: ring answers (validated with the real ``RingSpec.from_wire``), ``stop``,
+  ``pending``, the driver's notices (``abort``, ``notice``, ``preemption``), and the simulated pool's
+  ``sim_kill`` (Ray's kill in a real job);
 * on a ring answer, the store traffic of a real formation on that connection: the arrival barrier
   (``arrival.announce_arrival``, then a wait for ``all_arrived``), the rank's gloo address (the lazy layout,
   154 bytes as gloo's), and the reads a lazy gloo ring makes (a wait and a get per pair it connects:
   rank ± 2^k). No gloo group is built: the TCP pairs are not the control plane.
 
 What it does not model: ``fn``, its collectives and their failures (the scenario tells the survivors when a peer
-died), Ray's actor calls (the pool's messages travel through the store instead), timeline batches.
+died), Ray's actor calls (``info``, ``ping``, ``kill``: the simulated pool answers them), timeline batches.
 
 Every store connection counts its operations and bytes (:class:`Counted`), split into the background (heartbeats
 and reports) and the rest.
@@ -233,12 +234,14 @@ class WorkerHost:
             if kind == "sim_kill":
                 w.alive = False
                 return
-            if kind == "sim_notify":
+            if kind == DriverKind.NOTICE.value:
                 self.events.put(("notice", w.wid, msg.get("round"), time.time()))
                 if msg.get("change") or msg.get("stop"):
                     threading.Timer(STEP_S, self.request, args=(w, "membership")).start()
                 continue
-            if kind == "sim_abort":
+            if kind == DriverKind.PREEMPTION.value:
+                continue
+            if kind == DriverKind.ABORT.value:
                 if w.waiting is None and w.round_id <= int(msg.get("round", 0)):
                     self.request(w, "failure")
                 continue

@@ -5,7 +5,7 @@
     python -m benchmarks.control_plane --workers 32 128 512 --heartbeats worker   (or node; default auto)
     python -m benchmarks.control_plane --costs 32 128 512 1024   (the driver's pieces, one process)
     python -m benchmarks.control_plane --burst 128 512 1024   (a loss's re-form by the driver alone)
-    python -m benchmarks.control_plane --ray-calls 127 511 1023   (a notice to every member through Ray)
+    python -m benchmarks.control_plane --ray-calls 127 511 1023   (a notice to every member: Ray calls vs the store)
 
 Prints one line per N::
 
@@ -16,16 +16,17 @@ faster than the workers.
 
 **Real** (imported and run unchanged): the driver's loop, states, decisions and ring formation
 (``ray_integration.driver.loop.Driver.run``), the pool's records and message handling (``WorkerPool.apply``,
-``answer``, ``stop``, ``inbox_backlog``), the mailroom and the old rounds' key cleanup as ``ElasticTrainer`` wires
+``answer``, ``stop``, ``inbox_backlog``) and its notices (``notify``, ``tell_preemption``, ``abort_round``: sealed
+pushes into each worker's queue, as in a job since 2026-11-28), the mailroom and the old rounds' key cleanup as ``ElasticTrainer`` wires
 them (``on_tick``), the inbox thread and the acknowledgements of waiting workers (``wire.channel.Inbox``,
 ``mailroom.Acknowledger``), the workers' per-node heartbeats (``worker.node_beats.NodeBeats``, real files, with
 ``--heartbeats node``), sealed messages (``wire.channel.Channel``), the store server
 (``elastic_ring.ring.store.StoreServer``, libuv, in the driver's process as in a job), ``RingSpec`` encoding and the
 workers' validation of it, the formation's arrival barrier (``arrival.announce_arrival``) and a lazy gloo ring's
-address keys. **Simulated**: Ray (actor creation, completions, actor calls, kills, probes, the drain list:
-:mod:`benchmarks._control_pool`, which pushes the actor calls through the store instead), and the workers
-(:mod:`benchmarks._control_workers`: heartbeats at the real cadence, ring requests, rank 0's reports at
-``--report-hz``, the formation's store traffic; no ``fn``, no gloo sockets), hosted by a few processes (each worker
+address keys. **Simulated**: Ray (actor creation, completions, kills, probes, the drain list:
+:mod:`benchmarks._control_pool`), and the workers (:mod:`benchmarks._control_workers`: heartbeats at the real
+cadence, ring requests, rank 0's reports at ``--report-hz``, a receiving thread per worker that reads its queue as
+a worker's mailbox thread does, the formation's store traffic; no ``fn``, no gloo sockets), hosted by a few processes (each worker
 has its own receiving connection; one connection per process sends). Connections open in parallel before any clock
 starts (a new connection may stall 5 s on this VM's reverse DNS).
 
@@ -148,8 +149,9 @@ def main() -> None:
                         help="only measure a loss's re-form by the driver alone, the machine to itself, at these N "
                              "(benchmarks/_control_burst.py), and exit")
     parser.add_argument("--ray-calls", type=int, nargs="+", metavar="N",
-                        help="only measure what N fire-and-forget Ray actor calls (a notice to every member) cost "
-                             "the driver, on a local Ray (benchmarks/_control_raycalls.py), and exit")
+                        help="only measure what a notice to N members costs the driver as fire-and-forget Ray actor "
+                             "calls and as sealed pushes into their store queues, in one run on a local Ray "
+                             "(benchmarks/_control_raycalls.py), and exit")
     args = parser.parse_args()
     if args.ray_calls:
         from benchmarks import _control_raycalls

@@ -154,6 +154,7 @@ def test_the_worker_rendezvous_hands_only_its_first_ring_to_the_launch_environme
     import elastic_ring as er
     from ray_integration.wire.channel import Channel
     from ray_integration.wire.protocol import DRIVER, DriverKind, Keys
+    from ray_integration.worker.mailbox import NOTICE_HANDLERS, Mailbox
     from ray_integration.worker.rendezvous import WorkerRendezvous
     import torch.distributed as dist
 
@@ -163,8 +164,9 @@ def test_the_worker_rendezvous_hands_only_its_first_ring_to_the_launch_environme
     keys = Keys("job")
     client = lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)  # noqa: E731
     driver = Channel(client(), secret, DRIVER)
-    rendezvous = WorkerRendezvous(Channel(client(), secret, "w1"), Channel(client(), secret, "w1"), keys, "w1", secret,
-                                  silence_s=10)
+    mailbox = Mailbox(Channel(client(), secret, "w1"), keys.worker_inbox("w1"), NOTICE_HANDLERS)
+    mailbox.start()
+    rendezvous = WorkerRendezvous(Channel(client(), secret, "w1"), mailbox, keys, "w1", secret, silence_s=10)
     seen = []
     rendezvous.on_first_ring = seen.append
     for generation, rank in ((1, 3), (2, 0)):  # a first ring as rank 3, then a re-form that makes it rank 0
@@ -173,3 +175,4 @@ def test_the_worker_rendezvous_hands_only_its_first_ring_to_the_launch_environme
         driver.send(keys.worker_inbox("w1"), DriverKind.RING, generation=generation, spec=spec.to_wire())
         assert rendezvous.next_ring("start" if generation == 1 else "failure").rank == rank
     assert [s.rank for s in seen] == [3]  # once, with the first ring's values
+    mailbox.close()

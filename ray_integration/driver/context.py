@@ -121,7 +121,7 @@ class Form:
 
 @dataclass(frozen=True)
 class Notify:
-    """Tell the ring's live members (through Ray) to re-form at their next commit."""
+    """Tell the ring's live members to re-form at their next commit."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class RequestPersist:
 
 @dataclass(frozen=True)
 class AbortRound:
-    """Tell the ring's members (through Ray) to abandon the current round at once: a collective or a formation
+    """Tell the ring's members to abandon the current round at once: a collective or a formation
     of it waiting on a lost peer fails now instead of at its timeout."""
 
     why: str

@@ -237,7 +237,7 @@ class Driver:
         return bool(newly) or bool(before[0]) or self.draining != before[1]
 
     def tell_preemption(self) -> None:
-        """Tell the ring's members (through Ray) which of its ranks are on draining nodes and the earliest deadline,
+        """Tell the ring's members which of its ranks are on draining nodes and the earliest deadline,
         when that changed: what ``get_preemption_info()`` answers in ``fn``."""
         notice = self.preemption.notice(self.ring, self.pool.records, self.draining)
         if notice is not None:

@@ -70,8 +70,18 @@ class Channel:
         self._lock = threading.Lock()
         self._sent = 0
         self._seen: dict[str, int] = {}
+        self._seen_lock = threading.Lock()
         self.forged = 0
         self.reconnects = 0
+
+    def sibling(self) -> "Channel":
+        """A channel on a fresh connection of its own that shares this one's record of the message numbers seen
+        (a reader that replaces a stuck one must not take a replay for new)."""
+        if self._connect is None:
+            raise ValueError("Channel.sibling needs a channel made with connect=")
+        twin = Channel(self._connect(), self._secret, self.sender, connect=self._connect)
+        twin._seen, twin._seen_lock = self._seen, self._seen_lock
+        return twin
 
     def _reconnect(self, exc: BaseException) -> None:
         if self._connect is not None and not isinstance(exc, dist.DistStoreError):  # a timeout is no broken link
@@ -108,9 +118,10 @@ class Channel:
         if not isinstance(msg, dict) or not isinstance(msg.get("n"), int) or not isinstance(msg.get("from"), str):
             self.forged += 1
             return None
-        if msg["n"] <= self._seen.get(msg["from"], 0):
-            return None  # a replay, or a duplicate
-        self._seen[msg["from"]] = msg["n"]
+        with self._seen_lock:
+            if msg["n"] <= self._seen.get(msg["from"], 0):
+                return None  # a replay, or a duplicate
+            self._seen[msg["from"]] = msg["n"]
         return msg
 
     def receive(self, queue_key: str, timeout_s: float) -> dict | None:

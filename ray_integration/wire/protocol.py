@@ -29,7 +29,8 @@ Worker -> driver (queue ``{job}/driver``):
 * ``checkpoint``: a durable checkpoint was written or failed;
 * ``fault``: a worker thread failed (``what``, ``error``), just before the worker goes silent.
 
-Driver -> worker (queue ``{job}/w/{worker_id}``):
+Driver -> worker (queue ``{job}/w/{worker_id}``), read by the worker's mailbox thread for its whole life
+(:mod:`ray_integration.worker.mailbox`). Answers to its ring request:
 
 * ``ring``: ``generation``, ``spec`` (a :class:`~elastic_ring.RingSpec` as plain
   data, without the secret) and ``stop`` (the job stops in this round: commit
@@ -39,9 +40,19 @@ Driver -> worker (queue ``{job}/w/{worker_id}``):
   a waiting worker's heartbeats, at most once per worker per heartbeat interval). A worker gives up waiting only after
   ``heartbeat_timeout_s`` without any word from the driver.
 
-Notices about the *current* ring (re-form at the next commit, persist it, stop
-at it) go through Ray actor calls and are tagged with the round they are for
-(:mod:`state.membership`).
+Notices about the *current* ring, acted on while ``fn`` trains, each tagged with the round it is for:
+
+* ``abort``: ``round``, ``why``: a member of that round was lost; a collective or a formation of the round (or an
+  older one) that waits on it fails now instead of at its timeout;
+* ``notice``: ``round``, ``change``, ``persist``, ``stop`` and, for a drain's write, ``persist_id`` and
+  ``within_s``: what the round does at its next commit (:mod:`state.membership`);
+* ``preemption``: ``notice``: the ring's preemption notice (``seq``, ``deadline_ms``, ``nodes``), what
+  ``get_preemption_info()`` answers.
+
+And from the worker itself, ``keepalive`` (:data:`KEEPALIVE`), ignored but for the traffic.
+
+The notices went through one Ray actor call per member before; a push into the member's queue costs the driver's loop
+tens of microseconds instead of 0.2–0.4 ms, and one queue keeps the driver's order.
 """
 
 from __future__ import annotations
@@ -49,6 +60,12 @@ from __future__ import annotations
 import enum
 
 DRIVER = "driver"
+
+#: The kind of the message a worker's heartbeat thread pushes into its own queue every few seconds
+#: (:data:`ray_integration.worker.mailbox.KEEPALIVE_S`): the mailbox's connection, which may wait long for the
+#: driver's next word, carries something at least that often, and a connection that stopped carrying anything
+#: is replaced.
+KEEPALIVE = "keepalive"
 
 
 class _Kind(str, enum.Enum):
@@ -88,6 +105,9 @@ class DriverKind(_Kind):
     RING = "ring"
     STOP = "stop"
     PENDING = "pending"
+    ABORT = "abort"
+    NOTICE = "notice"
+    PREEMPTION = "preemption"
     WAKE = "wake"
     PROBE = "probe"
 

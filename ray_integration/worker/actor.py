@@ -1,7 +1,9 @@
 """The worker actor: one per GPU (or per CPU slot), running the user's ``fn`` in its own process.
 
-It is threaded (``max_concurrency``) so that the driver can reach it while
-``fn`` runs. A heartbeat thread sends the driver a counter (and the generation
+It is threaded (``max_concurrency``) so that Ray can reach it (``info``, ``ping``)
+while ``fn`` runs. Its mailbox thread reads its store queue for its whole life
+(:mod:`.mailbox`): ring answers for the rendezvous, and the driver's notices
+about the current ring (abort, re-form/persist/stop, preemption). A heartbeat thread sends the driver a counter (and the generation
 it waits for, while at the rendezvous) and the timeline events (with
 ``heartbeats="node"``, one worker per node forwards its node's counters:
 :mod:`.node_beats`); the elastic
@@ -27,7 +29,6 @@ import state as state_pkg
 from state import membership
 from elastic_ring.collectives import preemption
 from elastic_ring.core import allocator, progress, timeline
-from elastic_ring.ring import runtime
 from elastic_ring.ring.report import set_reporter
 from elastic_ring.ring.store import connect
 from state.checkpoints.config import set_default_checkpointing
@@ -40,9 +41,10 @@ from .. import data as data_input
 from ..errors import WorkerError, WorkerGaveUp
 from ..wire.channel import Channel
 from ..wire.launch_env import horovod_environment
-from ..wire.protocol import Keys, WorkerKind
+from ..wire.protocol import KEEPALIVE, Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
+from .mailbox import KEEPALIVE_S, NOTICE_HANDLERS, Mailbox
 from .node_beats import NodeBeats, Tick
 from .preemption_info import preemption_info
 from .rendezvous import WorkerRendezvous
@@ -116,7 +118,12 @@ class RingWorker:
         # connection is replaced by a fresh one before a retry
         reconnect = functools.partial(connect, address, connect_timeout_s)
         self._send = Channel(reconnect(), secret, worker_id, connect=reconnect)
-        self._receive = Channel(reconnect(), secret, worker_id, connect=reconnect)
+        # the one reader of this worker's queue, from now on: ring answers for the rendezvous, and the driver's
+        # notices (abort, re-form/persist/stop, preemption) acted on while fn trains
+        self._mailbox = Mailbox(Channel(reconnect(), secret, worker_id, connect=reconnect),
+                                self._keys.worker_inbox(worker_id), NOTICE_HANDLERS, on_failure=self._mailbox_failed,
+                                idle_s=3 * max(KEEPALIVE_S, heartbeat_interval_s))
+        self._keepalive_at = float("-inf")
         self._rendezvous: WorkerRendezvous | None = None
         self._interval_s = heartbeat_interval_s
         self._stop = threading.Event()
@@ -126,6 +133,7 @@ class RingWorker:
         self._beat_lock = threading.Lock()  # the node's beats: the heartbeat thread and run's end
         self._beat()
         threading.Thread(target=self._heartbeat, name="elastic-ring-heartbeat", daemon=True).start()
+        self._mailbox.start()
 
     # ------------------------------------------------------------ heartbeat thread
     def _beat(self) -> None:
@@ -167,6 +175,7 @@ class RingWorker:
                 try:
                     self._beat()  # (sends retry store errors with backoff, over a fresh connection)
                     self._flush_timeline()
+                    self._keepalive()
                 except (RuntimeError, OSError) as exc:  # the store is unreachable for now: keep beating
                     _log.warning("worker %s: heartbeat failed (%s); trying again", self.worker_id, exc)
         except BaseException as exc:  # surfaced to the driver, which then names it when it declares us dead
@@ -178,6 +187,13 @@ class RingWorker:
         finally:
             with self._beat_lock:
                 self._close_node_beats()  # the thread ends: its beat file goes, a leader gives up the lock
+
+    def _keepalive(self) -> None:
+        """Every KEEPALIVE_S, something for the mailbox's connection to carry (:mod:`.mailbox`)."""
+        now = time.monotonic()
+        if now - self._keepalive_at >= KEEPALIVE_S:
+            self._keepalive_at = now
+            self._send.send(self._keys.worker_inbox(self.worker_id), KEEPALIVE)
 
     def _flush_timeline(self) -> None:
         """Send the timeline events recorded since the last flush to the driver."""
@@ -192,10 +208,16 @@ class RingWorker:
         """Answers through Ray while the process runs (the driver asks when its heartbeats stop arriving)."""
         return True
 
-    def abort_ring(self, round_id: int, why: str) -> None:
-        """The driver declared a member of round ``round_id`` lost: a collective or a formation of that round
-        that waits on it fails now (instead of at its timeout), and the elastic loop re-forms."""
-        runtime.abort_round(round_id, why)
+    def _mailbox_failed(self, exc: BaseException) -> None:
+        """The mailbox thread ended (a store it cannot reach, or a notice it could not apply): this worker would
+        no longer hear the driver. It says why, if it can, and goes silent: the driver replaces it naming that."""
+        _log.error("worker %s: its mailbox thread failed: %s: %s", self.worker_id, type(exc).__name__, exc)
+        try:
+            self._send.send(self._keys.driver_inbox, WorkerKind.FAULT, what="mailbox thread",
+                            error=f"{type(exc).__name__}: {exc}")
+        except (RuntimeError, OSError):
+            pass  # the store is unreachable: the driver sees silence soon
+        self._stop.set()
 
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "node_id": self.node_id, "hostname": self.hostname,
@@ -206,7 +228,7 @@ class RingWorker:
             self._send.send(self._keys.driver_inbox, WorkerKind.REPORT, record=record)
 
     def _install(self, settings: WorkerSettings) -> None:
-        self._rendezvous = WorkerRendezvous(self._send, self._receive, self._keys, self.worker_id, self._secret,
+        self._rendezvous = WorkerRendezvous(self._send, self._mailbox, self._keys, self.worker_id, self._secret,
                                             settings.driver_silence_s)
         # Horovod's launch variables, once, from the first ring this worker joins (as horovodrun's spawn-time
         # values: never rewritten on a re-form), before hvd.init() / the first er call that forms it returns
@@ -260,6 +282,7 @@ class RingWorker:
                 raise WorkerGaveUp(f"worker {self.worker_id} on {self.hostname}: {exc}") from None
             raise self._error(exc) from None
         finally:
+            self._mailbox.close()  # nothing more to hear: the store going away at the job's end is no failure
             with self._beat_lock:  # it leaves the job: no forwarding, its beat file goes (it beats on its own)
                 self._close_node_beats()
             er.shutdown()
@@ -289,17 +312,6 @@ class RingWorker:
         except state_pkg.CheckpointError as exc:
             self._send.send(self._keys.driver_inbox, WorkerKind.CHECKPOINT,
                             event={"kind": "checkpoint_failed", "final": True, "error": str(exc)})
-
-    def notify(self, round_id: int, change: bool = False, persist: bool = False, stop: bool = False,
-               persist_id: int = 0, within_s: float | None = None) -> None:
-        """A notice from the driver about round ``round_id`` (re-form / persist / stop at its next commit;
-        ``persist_id``: the number of the write it asks for, retried for ``within_s`` seconds from now)."""
-        by = None if within_s is None else time.monotonic() + max(0.0, within_s)
-        membership.post(membership.Notice(round_id, change, persist, stop, persist_id, by))
-
-    def preemption_notice(self, notice: dict) -> None:
-        """The driver's preemption notice for the ring (``get_preemption_info()`` agrees on the newest one)."""
-        preemption.post(notice)
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

@@ -1,7 +1,7 @@
 """The elastic loop's rendezvous on a worker: ask the driver for the next ring, wait for its answer.
 
 The request goes to the driver's queue; the answer comes on this worker's own
-queue, waited for with a blocking pop and a deadline (no polling). While it
+queue, which its mailbox thread reads (:mod:`.mailbox`), waited for with a deadline (no polling). While it
 waits, the worker's heartbeats repeat which generation it waits for, so a
 request or an answer that never arrived is recovered (the driver answers again),
 and the driver acknowledges each of them (``pending``). The wait ends with
@@ -20,6 +20,7 @@ from state import membership
 
 from ..wire.channel import Channel
 from ..wire.protocol import DRIVER, DriverKind, Keys, WorkerKind
+from .mailbox import Mailbox
 
 
 class JobStopped(er.RingStopped):
@@ -27,9 +28,9 @@ class JobStopped(er.RingStopped):
 
 
 class WorkerRendezvous:
-    def __init__(self, send: Channel, receive: Channel, keys: Keys, worker_id: str, secret: bytes,
+    def __init__(self, send: Channel, mailbox: Mailbox, keys: Keys, worker_id: str, secret: bytes,
                  silence_s: float) -> None:
-        self._send, self._receive, self._keys = send, receive, keys
+        self._send, self._mailbox, self._keys = send, mailbox, keys
         self._id, self._secret, self._silence_s = worker_id, secret, silence_s
         self.generation = 0
         self.waiting: tuple[int, str] | None = None  # (generation, reason) while at the rendezvous
@@ -51,14 +52,16 @@ class WorkerRendezvous:
 
     def _await_answer(self, generation: int, reason: str) -> er.RingSpec:
         deadline = time.monotonic() + self._silence_s
-        inbox = self._keys.worker_inbox(self._id)
         while True:
             try:
-                msg = self._receive.receive(inbox, max(0.0, deadline - time.monotonic()))
+                msg = self._mailbox.next(max(0.0, deadline - time.monotonic()))
             except (RuntimeError, OSError) as exc:
                 raise er.RendezvousError(f"worker {self._id} lost the driver's rendezvous store while waiting for "
                                          f"ring {generation} ({reason}): {exc}; the driver process probably "
                                          "ended") from exc
+            except Exception as exc:  # the mailbox failed to apply a notice: it reported that to the driver
+                raise er.RendezvousError(f"worker {self._id}: its mailbox thread failed ({type(exc).__name__}: "
+                                         f"{exc}) while waiting for ring {generation} ({reason})") from exc
             if msg is None:
                 raise er.RendezvousError(
                     f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
