@@ -13,8 +13,9 @@ driver's store, without ``fn``:
 * ring requests (``ring_request``), ``synced`` after a ring formed, and rank 0's ``report`` records;
 * a receiving thread per worker on its own connection, blocked in the real ``Channel.receive`` on its queue, as a
   real worker's mailbox thread: ring answers (validated with the real ``RingSpec.from_wire``), ``stop``,
-  ``pending``, the driver's notices (``abort``, ``notice``, ``preemption``), and the simulated pool's
-  ``sim_kill`` (Ray's kill in a real job);
+  ``pending``, the driver's notices (``abort``, ``notice``, ``preemption``), the simulated pool's ``sim_kill``
+  (Ray's kill in a real job), and its own ``keepalive``, pushed by the beater thread after ``KEEPALIVE_S`` without a
+  message, as a worker's mailbox does;
 * on a ring answer, the store traffic of a real formation on that connection: the arrival barrier
   (``arrival.announce_arrival``, then a wait for ``all_arrived``), the rank's gloo address (the lazy layout,
   154 bytes as gloo's), and the reads a lazy gloo ring makes (a wait and a get per pair it connects:
@@ -32,6 +33,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +45,8 @@ import elastic_ring as er
 from elastic_ring.backends import arrival, gloo
 from elastic_ring.core.auth import AuthenticatedStore
 from ray_integration.wire.channel import Channel
-from ray_integration.wire.protocol import DRIVER, DriverKind, Keys, WorkerKind
+from ray_integration.wire.protocol import DRIVER, KEEPALIVE, DriverKind, Keys, WorkerKind
+from ray_integration.worker.mailbox import KEEPALIVE_S
 from ray_integration.worker.node_beats import NodeBeats
 
 #: A gloo rank's published value is about this long (hostname, address, no pair ids: lazy).
@@ -136,6 +139,8 @@ class SimWorker:
     rank: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     node_beats: NodeBeats | None = None  # heartbeats="node"
+    heard_at: float = field(default_factory=time.monotonic)  # its last message (a keepalive is due KEEPALIVE_S after)
+    keepalives: int = 0
 
 
 class WorkerHost:
@@ -193,6 +198,9 @@ class WorkerHost:
                                   reason=waiting[1] if waiting else None)
                 try:
                     self._beat(w, fields)
+                    if time.monotonic() - w.heard_at >= KEEPALIVE_S:  # as a worker's mailbox, after a quiet while
+                        w.heard_at, w.keepalives = time.monotonic(), w.keepalives + 1
+                        w.send.send(self.keys.worker_inbox(w.wid), KEEPALIVE, seq=w.keepalives)
                 except (RuntimeError, OSError):
                     pass  # the driver's store is gone: the run is ending
             rest = cycle + self.interval_s - time.monotonic()
@@ -228,8 +236,9 @@ class WorkerHost:
                 msg = w.receive.receive(inbox, 3600.0)
             except (RuntimeError, OSError):
                 return  # the driver's store is gone
+            w.heard_at = time.monotonic()
             if msg is None or msg.get("from") != DRIVER or not w.alive:
-                continue
+                continue  # (its own keepalive, read as a worker's mailbox reads it)
             kind = msg.get("k")
             if kind == "sim_kill":
                 w.alive = False
@@ -302,7 +311,8 @@ class WorkerHost:
 
 
 def main(host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, str]], interval_s: float,
-         report_hz: float, commands: Any, events: Any, beats_root: str | None = None, nice: int = 0) -> None:
+         report_hz: float, commands: Any, events: Any, beats_root: str | None = None, nice: int = 0,
+         switch_ms: float | None = None) -> None:
     """A worker process (``beats_root``: heartbeats="node", the nodes' directories there; ``nice``: its CPU
     priority below the driver's, whose workers run on other machines in a job): connect every worker (in
     parallel), say ``ready``, then obey ``commands``:
@@ -310,6 +320,8 @@ def main(host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, s
     ``("counts", None)`` (answered on ``events``), ``("quit", None)``."""
     if nice:
         os.nice(nice)
+    if switch_ms is not None:  # its up-to-128 workers' threads hand the GIL over sooner (a job: a process each)
+        sys.setswitchinterval(switch_ms / 1000)
     hosted = WorkerHost(host, port, secret, job, slots, interval_s, report_hz, events, beats_root)
     hosted.start_threads()
     events.put(("ready", None, None, None))

@@ -62,6 +62,14 @@ def test_when_a_step_is_due(relevant, since_step_s, last_step_s, due):
     assert pacing.step_due(relevant, since_step_s, 0.1, last_step_s) is due
 
 
+@pytest.mark.parametrize("since_s, repeats, due", [
+    (1.9, 0, False), (2.0, 0, True), (3.9, 1, False), (4.0, 1, True), (16.0, 3, True), (31.9, 4, False),
+    (32.0, 4, True), (1000.0, 5, False),  # five times at most
+])
+def test_when_a_rounds_notices_are_pushed_again(since_s, repeats, due):
+    assert pacing.notice_repeat_due(since_s, repeats) is due
+
+
 class _Job:
     """A driver and its pool over a real store, with ``n`` simulated workers sending through ``wakeups`` (or, with
     ``inbox``, through the store's queue and the driver's real inbox thread, whose reading ``self.reading`` gates)."""

@@ -157,3 +157,29 @@ def test_finishing_stops_the_waiting_and_returns_the_lowest_finished_ranks_value
     _, nxt = drive(Running(), ctx(members=members, results={"a": None, "b": None}, stop_reason="SIGTERM",
                                   stop_age_s=0.0))
     assert nxt == Stopped("SIGTERM")
+
+
+def test_running_pushes_its_notices_again_while_they_may_be_lost_doubling_the_wait_five_times():
+    from ray_integration.driver.pacing import NOTICE_REPEAT_S, NOTICE_REPEATS
+
+    running, members = Running(), (M("a"), M("b"))
+    actions, _ = drive(running, ctx(members=members, joiners=("c",)))
+    assert "Notify" in kinds(actions)
+    at, pushed = 100.0, []
+    for tick in range(1, 700):  # every 0.1 s for 70 s
+        now = 100.0 + tick / 10
+        actions, _ = drive(running, ctx(now=now, members=members, joiners=("c",)))
+        if c.RepeatNotices() in actions:
+            pushed.append(round(now - at, 1))
+            at = now
+    assert pushed == [NOTICE_REPEAT_S * 2 ** k for k in range(NOTICE_REPEATS)]  # 2, 4, 8, 16, 32 s apart
+
+
+def test_a_stop_is_pushed_again_too_even_when_it_came_with_the_ring():
+    running = Running(stop_sent=True)  # the stop rode on the ring answer's round: notify(stop) right after it
+    members = (M("a"), M("b"))
+    stop = dict(members=members, stop_reason="SIGTERM", stop_age_s=1.0)
+    actions, _ = drive(running, ctx(**stop))
+    assert c.RepeatNotices() not in actions
+    actions, _ = drive(running, ctx(now=102.0, **stop))
+    assert c.RepeatNotices() in actions and c.RequestPersist("stop", 30, stop=True) not in actions

@@ -3,8 +3,8 @@
 The test process plays the driver: it hosts the store, decides when a round is
 lost, and publishes "abort round N" under a store key. In each worker a thread
 waits for that key and calls ``runtime.abort_round`` from outside the thread
-that forms or runs collectives, as the worker actor's ``abort_ring`` method does
-from a Ray method thread. Latencies are measured inside each worker, from the
+that forms or runs collectives, as the worker's mailbox thread does with the
+driver's ``abort`` (``ray_integration/worker/mailbox.py``). Latencies are measured inside each worker, from the
 ``abort_round`` call to the ``CommError`` in the blocked thread.
 """
 
@@ -43,7 +43,7 @@ def _client(port: int) -> dist.TCPStore:
 
 
 def _listen_for_abort(port: int, key: str) -> tuple[dict, threading.Thread]:
-    """The worker actor's ``abort_ring`` stand-in: a thread that waits (on its own store connection,
+    """The worker mailbox's ``abort`` stand-in: a thread that waits (on its own store connection,
     at most 20 s) for the driver's "round:reason" under ``key`` and calls runtime.abort_round."""
     box: dict = {}
 

@@ -121,3 +121,22 @@ def test_a_ring_answer_does_not_grow_with_the_ring():
     assert (large_spec.rank, large_spec.world_size, large_spec.node_id) == (1023, 1024, f"{127:056x}")
     assert large_spec.placement == er.placements([f"{i // 8:056x}" for i in range(1024)])[1023]
     assert (small_spec.local_rank, small_spec.local_size, small_spec.cross_rank, small_spec.cross_size) == (7, 8, 0, 1)
+
+
+@pytest.mark.parametrize("numbers, taken", [
+    ([1, 2, 3], [True, True, True]),
+    ([1, 1], [True, False]),                            # a duplicate (a replay)
+    ([2, 1, 1], [True, True, False]),                   # out of order within the window: once
+    ([1, 70, 6, 7, 69, 7], [True, True, False, True, True, False]),  # 6 is 64 below 70: too old to tell
+    ([0], [False]),                                     # no sender numbers from 0
+    ([200, 137, 136], [True, True, False]),             # a jump: the window starts again below the new top
+])
+def test_the_replay_check_takes_each_number_once_within_a_window(numbers, taken):
+    from ray_integration.wire.channel import _accept
+
+    seen, got = (0, 0), []
+    for n in numbers:
+        after = _accept(seen, n)
+        got.append(after is not None)
+        seen = after or seen
+    assert got == taken

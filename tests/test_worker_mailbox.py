@@ -22,7 +22,7 @@ from ray_integration.driver.records import WorkerRecord
 from ray_integration.wire.channel import Channel
 from ray_integration.wire.protocol import DRIVER, KEEPALIVE, DriverKind, Keys
 from ray_integration.wire.settings import WorkerSettings
-from ray_integration.worker.mailbox import ANSWERS, NOTICE_HANDLERS, Mailbox
+from ray_integration.worker.mailbox import ANSWERS, NOTICE_HANDLERS, Mailbox, NoticeFailed
 from state import membership
 
 
@@ -156,8 +156,8 @@ def test_a_notice_it_cannot_apply_ends_the_thread_loudly(job):
     box = mailbox("w", NOTICE_HANDLERS, on_failure=failures.append)
     pool.send.send(keys.worker_inbox("w"), DriverKind.ABORT, why="no round named")
     _until(lambda: failures)
-    assert isinstance(failures[0], ValueError) and "names no round" in str(failures[0])
-    with pytest.raises(ValueError, match="names no round"):
+    assert isinstance(failures[0], NoticeFailed) and "names no round" in str(failures[0])
+    with pytest.raises(NoticeFailed, match="names no round"):
         box.next(5.0)  # the rendezvous's next wait raises it too: nobody waits on a reader that is gone
     assert not box.alive
 
@@ -247,15 +247,14 @@ def test_a_reader_stuck_on_a_silently_dead_connection_is_replaced_and_nothing_pu
     try:
         through_relay = lambda: connect(er.StoreAddress("127.0.0.1", relay.port), 10.0)  # noqa: E731
         got = []
+        own = Channel(server.connect(10.0), secret, "w")  # the worker's sending channel: its keepalives go out there
         box = Mailbox(Channel(through_relay(), secret, "w", connect=through_relay), keys.worker_inbox("w"),
-                      {DriverKind.ABORT: lambda msg: got.append(msg["round"])}, idle_s=1.0)
+                      {DriverKind.ABORT: lambda msg: got.append(msg["round"])}, send=own, idle_s=0.6,
+                      keepalive_s=0.2)
         box.start()
-        own = Channel(server.connect(10.0), secret, "w")  # the worker's sending channel (its heartbeat thread)
         pool.send.send(keys.worker_inbox("w"), DriverKind.ABORT, round=1, why="lost")
-        for _ in range(8):  # keepalives, more often than idle_s: the reader is never taken for stuck
-            own.send(keys.worker_inbox("w"), KEEPALIVE)
-            time.sleep(0.25)
-        assert got == [1] and box.replaced == 0
+        time.sleep(2.0)  # a quiet connection that carries: its keepalives come back, the reader is never replaced
+        assert got == [1] and box.replaced == 0 and box._keepalives >= 5
         relay.black_hole()  # the reader now waits for ever: TCPStore's timeout cannot end its pop
         started = time.monotonic()
         pool.send.send(keys.worker_inbox("w"), DriverKind.ABORT, round=2, why="lost while the flow was dead")
@@ -263,38 +262,122 @@ def test_a_reader_stuck_on_a_silently_dead_connection_is_replaced_and_nothing_pu
         assert box.replaced == 1 and box.alive and time.monotonic() - started < 5.0
         pool.send.send(keys.worker_inbox("w"), DriverKind.ABORT, round=3, why="lost")
         _until(lambda: got == [1, 2, 3])
+        time.sleep(1.5)
+        assert box.replaced == 1  # the new reader's keepalives come back
         box.close()
     finally:
         relay.close()
 
 
+def test_a_replaced_reader_that_wakes_hands_its_message_over_and_nothing_is_taken_for_a_replay(job):
+    """The first reader is replaced while it is only slow (descheduled between its pop and its check): it then
+    checks an older message than its successor already did. Both are handled, and a replay is still refused."""
+    pool, mailbox, server, secret, keys = job
+    inbox = keys.worker_inbox("w")
+    connect_direct = lambda: server.connect(10.0)  # noqa: E731
+    got = []
+    first = Channel(connect_direct(), secret, "w", connect=connect_direct)
+    release = threading.Event()
+    real_verify = first.verify
+
+    def slow_verify(key, raw):  # the old reader holds the driver's first message and does not run for a while
+        if not release.is_set() and (b'"round": 1' in raw or b'"round":1' in raw):
+            release.wait()
+        return real_verify(key, raw)
+
+    first.verify = slow_verify
+    box = Mailbox(first, inbox, {DriverKind.ABORT: lambda msg: got.append(msg["round"])},
+                  send=Channel(connect_direct(), secret, "w"), idle_s=0.6, keepalive_s=0.2)
+    box.start()
+    sealed = []
+    real_push = server.store.queue_push
+    tap = type("Tap", (), {"queue_push": lambda self, k, v: (sealed.append(v), real_push(k, v))[1]})()
+    pool.send._store, kept = tap, pool.send._store
+    pool.send.send(inbox, DriverKind.ABORT, round=1, why="first")  # the old reader takes it, and stalls
+    pool.send._store = kept
+    _until(lambda: box.replaced == 1)  # its keepalive did not come back: a new reader on a fresh connection
+    pool.send.send(inbox, DriverKind.ABORT, round=2, why="second")
+    _until(lambda: got == [2])  # the new reader's, checked first (its number is the higher one)
+    release.set()
+    _until(lambda: got == [2, 1])  # the old reader's, older but not seen: handed over, not taken for a replay
+    for _ in range(2):
+        real_push(inbox, sealed[0])  # a stranger pushes the captured first message again
+    pool.send.send(inbox, DriverKind.ABORT, round=3, why="third")
+    _until(lambda: 3 in got)
+    time.sleep(0.3)
+    assert got == [2, 1, 3]  # the replays were refused
+    box.close()
+
+
 def test_mailbox_options_are_checked():
     with pytest.raises(ValueError, match="idle_s=0 must be a positive number of seconds"):
-        Mailbox(None, "q", NOTICE_HANDLERS, idle_s=0)
+        Mailbox(None, "q", NOTICE_HANDLERS, send=object(), idle_s=0)
+    with pytest.raises(ValueError, match="send and idle_s go together"):
+        Mailbox(None, "q", NOTICE_HANDLERS, idle_s=5.0)
+    with pytest.raises(ValueError, match="keepalive_s=-1 must be a positive"):
+        Mailbox(None, "q", NOTICE_HANDLERS, keepalive_s=-1)
 
 
 def test_a_process_that_did_not_run_gives_its_reader_a_grace_instead_of_replacing_it(job):
-    """A SIGSTOPped worker hears nothing while stopped, and sends no keepalive either: not a dead connection."""
+    """A SIGSTOPped worker's reader cannot read its keepalive while stopped: not a dead connection."""
     pool, mailbox, server, secret, keys = job
     got = []
     connect_direct = lambda: server.connect(10.0)  # noqa: E731
-    box = Mailbox(Channel(connect_direct(), secret, "w", connect=connect_direct), keys.worker_inbox("w"),
-                  {DriverKind.ABORT: lambda msg: got.append(msg["round"])}, idle_s=1.2)
-    stalled = threading.Event()
+    first = Channel(connect_direct(), secret, "w", connect=connect_direct)
+    reading = threading.Event()
+    reading.set()
+    real_receive = first.receive
+
+    def receive_like_a_stopped_process(key, timeout_s):
+        msg = real_receive(key, timeout_s)
+        reading.wait()  # the reader does not run while the process is stopped
+        return msg
+
+    first.receive = receive_like_a_stopped_process
+    box = Mailbox(first, keys.worker_inbox("w"), {DriverKind.ABORT: lambda msg: got.append(msg["round"])},
+                  send=Channel(connect_direct(), secret, "w"), idle_s=1.2, keepalive_s=0.4)
+    stopped = threading.Event()
     real_wait = box._closing.wait
 
-    def wait_like_a_stopped_process(timeout):  # the watchdog's own sleep overshoots, as in a stopped process
-        if not stalled.is_set():
-            stalled.set()
-            time.sleep(1.6)
+    def wait_like_a_stopped_process(timeout):  # the watchdog's own sleep overshoots too, as the process stops
+        if box._keepalive is not None and not stopped.is_set():
+            stopped.set()
+            reading.clear()  # the process stops with its keepalive on its way ...
+            time.sleep(2.0)  # ... and runs again 2 s later (longer than idle_s), its reader a little after this
+            threading.Timer(0.3, reading.set).start()  # thread: the watchdog looks first
         return real_wait(timeout)
 
     box._closing.wait = wait_like_a_stopped_process
     box.start()
-    _until(stalled.is_set)
-    time.sleep(2.3)  # the watchdog looked again 1.9 s in, after its overshoot: a grace from then on (till 3.1 s)
-    assert box.replaced == 0
-    _until(lambda: box.replaced == 1)  # ... and once the grace is spent without a word, the reader is replaced
+    _until(stopped.is_set)
+    time.sleep(3.0)
+    assert box.replaced == 0  # the keepalive came back once the process ran again
     pool.send.send(keys.worker_inbox("w"), DriverKind.ABORT, round=9, why="lost")
     _until(lambda: got == [9])
     box.close()
+
+
+def test_a_notice_taken_from_the_queue_by_a_stranger_arrives_with_the_repeat(job):
+    pool, mailbox, server, secret, keys = job
+    membership.reset()
+    pool.records["w"] = WorkerRecord("w", actor=NoRay(), info_ref=None, run_ref=None, created_at=time.monotonic())
+    record = pool.records["w"]
+    pool.notify([record], 5, change=True)  # an older round's: not pushed again for round 6
+    pool.notify([record], 6, change=True, persist=True, persist_id=4, within_s=30.0)
+    pool.notify([record], 6, stop=True)
+    pool.tell_preemption([record], {"seq": 2, "deadline_ms": 0, "nodes": {"n": [0]}})
+    inbox = keys.worker_inbox("w")
+    stolen = [server.store.queue_pop(inbox) for _ in range(4)]  # a stranger takes them all
+    assert len(stolen) == 4 and server.store.queue_len(inbox) == 0
+    time.sleep(0.5)
+    pool.repeat_notices([record], 6)
+    got = []
+    handlers = {kind: (lambda msg, real=real: (got.append((msg["k"], msg.get("round"))), real(msg)))
+                for kind, real in NOTICE_HANDLERS.items()}
+    mailbox("w", handlers)
+    _until(lambda: len(got) == 3)
+    assert got == [("notice", 6), ("notice", 6), ("preemption", None)]
+    notice = membership.pending(6)
+    assert notice.change and notice.persist and notice.stop and notice.persist_id == 4
+    assert 28.0 < notice.persist_by - time.monotonic() <= 29.6  # the write's deadline less the time since it was sent
+    assert preemption._local()["seq"] == 2

@@ -125,6 +125,13 @@ class Notify:
 
 
 @dataclass(frozen=True)
+class RepeatNotices:
+    """Push the current round's notices (and the ring's preemption notice) to its live members again, as sent: a
+    member that has them already changes nothing (notices merge; a write already made is not made again), one
+    whose copy was lost gets it now."""
+
+
+@dataclass(frozen=True)
 class RequestPersist:
     """Tell the ring's live members to write their next commit durably (``why``: ``"stop"`` or ``"drain"``),
     and re-form at it (``change``) or stop at it (``stop``), or train on (neither: a drain's probe); recorded as a
@@ -192,5 +199,5 @@ class DiagnoseStart:
     ready: int
 
 
-Action = (AddEvent | PollDrains | KillSilent | RequestCapacity | Form | Notify | RequestPersist | AbortRound
-          | StopWorkers | StopWaiting | ReportLost | CountFailure | DropRing | DiagnoseStart | DropRaised)
+Action = (AddEvent | PollDrains | KillSilent | RequestCapacity | Form | Notify | RepeatNotices | RequestPersist
+          | AbortRound | StopWorkers | StopWaiting | ReportLost | CountFailure | DropRing | DiagnoseStart | DropRaised)

@@ -26,7 +26,8 @@ from ..wire.channel import InboxProbe
 from . import decisions, pacing
 from .context import (
     AbortRound, Action, AddEvent, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent,
-    Notify, PollDrains, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting, StopWorkers, UserError,
+    Notify, PollDrains, RepeatNotices, ReportLost, RequestCapacity, RequestPersist, StartFailure, StopWaiting,
+    StopWorkers, UserError,
 )
 from .decisions import Kill, Verdict
 from .drains import DrainView
@@ -164,6 +165,9 @@ class Driver:
                           persist)
             case Notify():
                 self.pool.notify(self.members(), self.round_id, change=True)
+                return False
+            case RepeatNotices():
+                self.pool.repeat_notices(self.members(), self.round_id)
                 return False
             case RequestPersist(why, deadline_s, change, stop):
                 persist_id = 0

@@ -46,6 +46,18 @@ def step_due(relevant: bool, since_step_s: float, tick_s: float, last_step_s: fl
     return since_step_s >= step_gap_s(relevant, last_step_s, tick_s)
 
 
+#: A running round's notices are pushed again this long after they were sent, then after twice as long each
+#: time, NOTICE_REPEATS times at most (a notice lost on its way, or taken from a queue by a stranger).
+NOTICE_REPEAT_S = 2.0
+NOTICE_REPEATS = 5
+
+
+def notice_repeat_due(since_s: float, repeats: int) -> bool:
+    """Push the round's notices again now (``since_s``: since they were last sent or pushed again; ``repeats``:
+    how often they were pushed again since the last new one). A copy a member already has changes nothing."""
+    return repeats < NOTICE_REPEATS and since_s >= NOTICE_REPEAT_S * 2 ** repeats
+
+
 #: A lost answer is sent again at most after this many doublings of its first wait.
 RESEND_DOUBLINGS = 5
 

@@ -53,6 +53,8 @@ class WorkerPool:
         self.receive: Channel | None = None  # the driver's receiving channel (counts forged messages), if known
         self.inbox_delay_s = 0.0  # how far behind the driver reads its inbox (set by its loop: wire.InboxProbe)
         self.foreign_beats = 0  # node_hb entries refused: a worker unknown, dead or on another node than the sender
+        self._notices: tuple[int, list[tuple[float, dict]]] = (-1, [])  # (round, [(sent at, fields)]) as sent
+        self._preemption: dict | None = None  # the newest preemption notice sent
 
     # ------------------------------------------------------------ effects
     def request(self, count: int) -> int:
@@ -113,11 +115,28 @@ class WorkerPool:
         fields: dict[str, Any] = {"round": round_id, "change": change, "persist": persist, "stop": stop}
         if persist_id:
             fields.update(persist_id=persist_id, within_s=within_s)
+        if self._notices[0] != round_id:
+            self._notices = (round_id, [])
+        self._notices[1].append((time.monotonic(), fields))
         self._tell([r for r in records if not r.dead], DriverKind.NOTICE, fields)
 
     def tell_preemption(self, records: list[WorkerRecord], notice: dict) -> None:
         """Tell ``records`` the ring's preemption notice (what ``get_preemption_info()`` answers)."""
+        self._preemption = notice
         self._tell([r for r in records if not r.dead and not r.finished], DriverKind.PREEMPTION, {"notice": notice})
+
+    def repeat_notices(self, records: list[WorkerRecord], round_id: int) -> None:
+        """Push round ``round_id``'s notices and the newest preemption notice to ``records`` again, as sent (a
+        write's ``within_s`` less the time since): a member that has them changes nothing (notices merge, a write
+        already made is not made again, an older preemption notice is ignored)."""
+        now = time.monotonic()
+        live = [r for r in records if not r.dead]
+        for sent_at, fields in self._notices[1] if self._notices[0] == round_id else []:
+            if fields.get("within_s") is not None:
+                fields = {**fields, "within_s": max(0.0, fields["within_s"] - (now - sent_at))}
+            self._tell(live, DriverKind.NOTICE, fields)
+        if self._preemption is not None:
+            self._tell([r for r in live if not r.finished], DriverKind.PREEMPTION, {"notice": self._preemption})
 
     def abort_round(self, records: list[WorkerRecord], round_id: int, why: str) -> None:
         """Tell ``records`` to abandon round ``round_id`` at once: a collective or a formation of it that waits on

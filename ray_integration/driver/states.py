@@ -22,8 +22,9 @@ from . import decisions
 from .drains import DrainStep, DrainView, drain_step
 from .context import (
     AbortRound, Action, Context, CountFailure, DiagnoseStart, DropRaised, DropRing, Form, KillSilent, Notify,
-    PollDrains, ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
+    PollDrains, RepeatNotices, ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
 )
+from .pacing import notice_repeat_due
 from .decisions import ErrorStep, MemberView, Outcome, StartFailureKind, Step
 
 #: Without max_workers ready, start once no new worker became ready for this long.
@@ -199,6 +200,20 @@ class Running(DriverState):
         self.change_requested_at = 0.0
         self.overdue_reported = False
         self.stop_sent = stop_sent
+        self.noticed_at: float | None = None  # when this round's notices were last sent or pushed again
+        self.repeats = 0  # pushed again since the last new one
+
+    def _noticed(self, now: float) -> None:
+        self.noticed_at, self.repeats = now, 0
+
+    def _repeat(self, ctx: Context) -> Generator[Action, Context, Context]:
+        """Push this round's notices again while they may still be lost on their way (:func:`notice_repeat_due`)."""
+        if self.noticed_at is None and self.stop_sent:  # (the stop went out with the ring that made this state)
+            self._noticed(ctx.now)
+        if self.noticed_at is not None and notice_repeat_due(ctx.now - self.noticed_at, self.repeats):
+            self.noticed_at, self.repeats = ctx.now, self.repeats + 1
+            return (yield RepeatNotices())
+        return ctx
 
     def _drains(self) -> Generator[Action, Context, Context]:
         """Members on draining nodes (:mod:`.drains`): when others hold the state and enough remain, they leave at
@@ -212,6 +227,7 @@ class Running(DriverState):
                           ctx.drain or DrainView(can_persist=False), ctx.round_id)
         if step is DrainStep.NONE:
             return ctx
+        self._noticed(ctx.now)
         if step is DrainStep.PROBE:
             return (yield RequestPersist("drain", _drain_deadline_s(leavers)))
         if step is DrainStep.PERSIST:
@@ -229,6 +245,7 @@ class Running(DriverState):
         ctx = yield KillSilent(failure_age_s=None)
         if ctx.stop_reason is not None and not self.stop_sent:
             self.stop_sent = True
+            self._noticed(ctx.now)
             ctx = yield RequestPersist("stop", ctx.limits.stop_timeout_s, stop=True)
         outcome = decisions.running_outcome(list(ctx.members))
         if outcome is Outcome.FINISH:
@@ -238,9 +255,11 @@ class Running(DriverState):
         if ctx.stop_reason is not None:  # (a drain is then seen, and the stop's own durable write covers it)
             if decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
                 return _stop_overdue(ctx)
+            ctx = yield from self._repeat(ctx)
             yield PollDrains()
             return self
         ctx = yield from self._drains()
+        ctx = yield from self._repeat(ctx)
         if self.change_requested and not self.overdue_reported and \
                 ctx.now - self.change_requested_at > COMMIT_OVERDUE_S:
             self.overdue_reported = True
@@ -253,6 +272,7 @@ class Running(DriverState):
                                  False):
             self.change_requested = True
             self.change_requested_at = ctx.now
+            self._noticed(ctx.now)
             yield event("membership_change_requested", joiners=list(ctx.joiners))
             yield Notify()
         yield RequestCapacity()

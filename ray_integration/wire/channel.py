@@ -60,6 +60,24 @@ def with_retries(op: Callable[[], T], what: str, retries: int = RETRIES,
     raise AssertionError("unreachable")
 
 
+#: How far below a sender's highest message number a number not seen yet is still taken (two readers of one queue,
+#: a replaced one and its successor, may check two messages out of order). Older ones are refused as replays.
+REPLAY_WINDOW = 64
+
+
+def _accept(seen: tuple[int, int], n: int) -> tuple[int, int] | None:
+    """The new record of a sender's message numbers after ``n``, or None if ``n`` was seen or is too old.
+    ``seen`` is (the highest number, a bitmap whose bit i says that highest - i was seen)."""
+    top, bits = seen
+    if n > top:
+        shift = n - top
+        return n, ((bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+    offset = top - n
+    if n < 1 or offset >= REPLAY_WINDOW or bits >> offset & 1:
+        return None
+    return top, bits | 1 << offset
+
+
 class Channel:
     """One party's sealed messages. ``store`` must not be shared with a thread that blocks on it.
     ``connect()``, if given, makes a fresh store connection: a broken one is replaced before a retry."""
@@ -69,7 +87,7 @@ class Channel:
         self._store, self._secret, self.sender, self._connect = store, secret, sender, connect
         self._lock = threading.Lock()
         self._sent = 0
-        self._seen: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # sender -> (highest number seen, REPLAY_WINDOW bits below it)
         self._seen_lock = threading.Lock()
         self.forged = 0
         self.reconnects = 0
@@ -119,9 +137,10 @@ class Channel:
             self.forged += 1
             return None
         with self._seen_lock:
-            if msg["n"] <= self._seen.get(msg["from"], 0):
+            seen = _accept(self._seen.get(msg["from"], (0, 0)), msg["n"])
+            if seen is None:
                 return None  # a replay, or a duplicate
-            self._seen[msg["from"]] = msg["n"]
+            self._seen[msg["from"]] = seen
         return msg
 
     def receive(self, queue_key: str, timeout_s: float) -> dict | None:

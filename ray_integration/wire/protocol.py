@@ -61,10 +61,10 @@ import enum
 
 DRIVER = "driver"
 
-#: The kind of the message a worker's heartbeat thread pushes into its own queue every few seconds
+#: The kind of the message a worker's mailbox pushes into its own queue after a while without any
 #: (:data:`ray_integration.worker.mailbox.KEEPALIVE_S`): the mailbox's connection, which may wait long for the
-#: driver's next word, carries something at least that often, and a connection that stopped carrying anything
-#: is replaced.
+#: driver's next word, carries something at least that often, and a reader whose keepalive does not come back is
+#: replaced by one on a fresh connection.
 KEEPALIVE = "keepalive"
 
 

@@ -20,7 +20,6 @@ import functools
 import os
 import socket
 import threading
-import time
 import traceback
 from typing import Any, Callable
 
@@ -41,10 +40,10 @@ from .. import data as data_input
 from ..errors import WorkerError, WorkerGaveUp
 from ..wire.channel import Channel
 from ..wire.launch_env import horovod_environment
-from ..wire.protocol import KEEPALIVE, Keys, WorkerKind
+from ..wire.protocol import Keys, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
-from .mailbox import KEEPALIVE_S, NOTICE_HANDLERS, Mailbox
+from .mailbox import KEEPALIVE_BACK_S, NOTICE_HANDLERS, Mailbox
 from .node_beats import NodeBeats, Tick
 from .preemption_info import preemption_info
 from .rendezvous import WorkerRendezvous
@@ -122,8 +121,7 @@ class RingWorker:
         # notices (abort, re-form/persist/stop, preemption) acted on while fn trains
         self._mailbox = Mailbox(Channel(reconnect(), secret, worker_id, connect=reconnect),
                                 self._keys.worker_inbox(worker_id), NOTICE_HANDLERS, on_failure=self._mailbox_failed,
-                                idle_s=3 * max(KEEPALIVE_S, heartbeat_interval_s))
-        self._keepalive_at = float("-inf")
+                                send=self._send, idle_s=KEEPALIVE_BACK_S)
         self._rendezvous: WorkerRendezvous | None = None
         self._interval_s = heartbeat_interval_s
         self._stop = threading.Event()
@@ -175,7 +173,6 @@ class RingWorker:
                 try:
                     self._beat()  # (sends retry store errors with backoff, over a fresh connection)
                     self._flush_timeline()
-                    self._keepalive()
                 except (RuntimeError, OSError) as exc:  # the store is unreachable for now: keep beating
                     _log.warning("worker %s: heartbeat failed (%s); trying again", self.worker_id, exc)
         except BaseException as exc:  # surfaced to the driver, which then names it when it declares us dead
@@ -187,13 +184,6 @@ class RingWorker:
         finally:
             with self._beat_lock:
                 self._close_node_beats()  # the thread ends: its beat file goes, a leader gives up the lock
-
-    def _keepalive(self) -> None:
-        """Every KEEPALIVE_S, something for the mailbox's connection to carry (:mod:`.mailbox`)."""
-        now = time.monotonic()
-        if now - self._keepalive_at >= KEEPALIVE_S:
-            self._keepalive_at = now
-            self._send.send(self._keys.worker_inbox(self.worker_id), KEEPALIVE)
 
     def _flush_timeline(self) -> None:
         """Send the timeline events recorded since the last flush to the driver."""

@@ -20,7 +20,7 @@ from state import membership
 
 from ..wire.channel import Channel
 from ..wire.protocol import DRIVER, DriverKind, Keys, WorkerKind
-from .mailbox import Mailbox
+from .mailbox import Mailbox, NoticeFailed
 
 
 class JobStopped(er.RingStopped):
@@ -55,13 +55,13 @@ class WorkerRendezvous:
         while True:
             try:
                 msg = self._mailbox.next(max(0.0, deadline - time.monotonic()))
+            except NoticeFailed as exc:  # (the mailbox reported it to the driver too)
+                raise er.RendezvousError(f"worker {self._id}: its mailbox stopped reading while waiting for ring "
+                                         f"{generation} ({reason}): {exc}") from exc
             except (RuntimeError, OSError) as exc:
                 raise er.RendezvousError(f"worker {self._id} lost the driver's rendezvous store while waiting for "
                                          f"ring {generation} ({reason}): {exc}; the driver process probably "
                                          "ended") from exc
-            except Exception as exc:  # the mailbox failed to apply a notice: it reported that to the driver
-                raise er.RendezvousError(f"worker {self._id}: its mailbox thread failed ({type(exc).__name__}: "
-                                         f"{exc}) while waiting for ring {generation} ({reason})") from exc
             if msg is None:
                 raise er.RendezvousError(
                     f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
