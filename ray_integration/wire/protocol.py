@@ -49,7 +49,8 @@ Notices about the *current* ring, acted on while ``fn`` trains, each tagged with
 * ``preemption``: ``notice``: the ring's preemption notice (``seq``, ``deadline_ms``, ``nodes``), what
   ``get_preemption_info()`` answers.
 
-And from the worker itself, ``keepalive`` (:data:`KEEPALIVE`), ignored but for the traffic.
+And from the worker itself, ``keepalive`` (:data:`KEEPALIVE`, ``seq``): its mailbox's check that its connection
+still carries.
 
 The notices went through one Ray actor call per member before; a push into the member's queue costs the driver's loop
 tens of microseconds instead of 0.2–0.4 ms, and one queue keeps the driver's order.
