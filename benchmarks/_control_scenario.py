@@ -74,8 +74,7 @@ class _Scenario:
             proc = ctx.Process(target=sim.main, args=("127.0.0.1", self.server.address.port, self.secret,
                                                       self.keys.job, slots, opts["interval_s"], opts["report_hz"],
                                                       self.commands[p], self.events, self.beats_root,
-                                                      opts.get("sim_nice", 0), opts.get("sim_switch_ms")),
-                               daemon=True)
+                                                      opts.get("sim_nice", 0)), daemon=True)
             proc.start()
             self.procs.append(proc)
         self.formed: dict[int, dict[str, tuple[float, float]]] = {}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -311,8 +310,7 @@ class WorkerHost:
 
 
 def main(host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, str]], interval_s: float,
-         report_hz: float, commands: Any, events: Any, beats_root: str | None = None, nice: int = 0,
-         switch_ms: float | None = None) -> None:
+         report_hz: float, commands: Any, events: Any, beats_root: str | None = None, nice: int = 0) -> None:
     """A worker process (``beats_root``: heartbeats="node", the nodes' directories there; ``nice``: its CPU
     priority below the driver's, whose workers run on other machines in a job): connect every worker (in
     parallel), say ``ready``, then obey ``commands``:
@@ -320,8 +318,6 @@ def main(host: str, port: int, secret: bytes, job: str, slots: list[tuple[str, s
     ``("counts", None)`` (answered on ``events``), ``("quit", None)``."""
     if nice:
         os.nice(nice)
-    if switch_ms is not None:  # its up-to-128 workers' threads hand the GIL over sooner (a job: a process each)
-        sys.setswitchinterval(switch_ms / 1000)
     hosted = WorkerHost(host, port, secret, job, slots, interval_s, report_hz, events, beats_root)
     hosted.start_threads()
     events.put(("ready", None, None, None))

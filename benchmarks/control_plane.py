@@ -140,9 +140,6 @@ def main() -> None:
     parser.add_argument("--sim-nice", type=int, default=10,
                         help="the simulated workers' processes' niceness: in a job the workers run on other machines "
                              "than the driver; 0 makes them compete with the driver for this machine's cores")
-    parser.add_argument("--sim-switch-ms", type=float, default=None,
-                        help="the GIL's switch interval in the simulated workers' processes (Python's default: 5 ms); "
-                             "each hosts up to 128 workers, which a job runs in as many processes")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one N may take")
     parser.add_argument("--costs", type=int, nargs="+", metavar="N",
@@ -178,13 +175,11 @@ def main() -> None:
                      "for the replacements)")
     if not 0 <= args.sim_nice <= 19:
         parser.error("--sim-nice must be between 0 and 19")
-    if args.sim_switch_ms is not None and not 0 < args.sim_switch_ms <= 100:
-        parser.error("--sim-switch-ms must be a number of milliseconds in (0, 100]")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     opts = {"steady_s": args.steady_s, "interval_s": args.interval_s, "report_hz": args.report_hz,
             "heartbeat_timeout_s": args.heartbeat_timeout_s, "heartbeats": args.heartbeats,
-            "losses": args.losses, "sim_nice": args.sim_nice, "sim_switch_ms": args.sim_switch_ms,
+            "losses": args.losses, "sim_nice": args.sim_nice
             "profile": args.profile, "timeout_s": args.timeout_s}
     rows: dict[int, dict[str, float]] = {}
     failed = False
