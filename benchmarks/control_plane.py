@@ -179,7 +179,7 @@ def main() -> None:
         os.makedirs(args.profile, exist_ok=True)
     opts = {"steady_s": args.steady_s, "interval_s": args.interval_s, "report_hz": args.report_hz,
             "heartbeat_timeout_s": args.heartbeat_timeout_s, "heartbeats": args.heartbeats,
-            "losses": args.losses, "sim_nice": args.sim_nice
+            "losses": args.losses, "sim_nice": args.sim_nice,
             "profile": args.profile, "timeout_s": args.timeout_s}
     rows: dict[int, dict[str, float]] = {}
     failed = False
