@@ -176,10 +176,21 @@ def test_running_pushes_its_notices_again_while_they_may_be_lost_doubling_the_wa
 
 
 def test_a_stop_is_pushed_again_too_even_when_it_came_with_the_ring():
-    running = Running(stop_sent=True)  # the stop rode on the ring answer's round: notify(stop) right after it
+    running = Running(stop_sent=True)  # the stop rode on the ring answers: pushed again are the round's notices
     members = (M("a"), M("b"))
     stop = dict(members=members, stop_reason="SIGTERM", stop_age_s=1.0)
     actions, _ = drive(running, ctx(**stop))
     assert c.RepeatNotices() not in actions
     actions, _ = drive(running, ctx(now=102.0, **stop))
     assert c.RepeatNotices() in actions and c.RequestPersist("stop", 30, stop=True) not in actions
+
+
+def test_a_stop_request_is_pushed_again():
+    members = (M("a"), M("b"))
+    running = Running()
+    stop = dict(members=members, stop_reason="SIGTERM", stop_age_s=1.0)
+    actions, _ = drive(running, ctx(**stop))
+    assert c.RequestPersist("stop", 30, stop=True) in actions and c.RepeatNotices() not in actions
+    actions, _ = drive(running, ctx(now=102.0, **stop))
+    assert c.RepeatNotices() in actions
+

@@ -19,7 +19,7 @@ from elastic_ring.ring.store import StoreServer, connect
 from ray_integration.config import TrainerConfig
 from ray_integration.driver.pool import WorkerPool
 from ray_integration.driver.records import WorkerRecord
-from ray_integration.wire.channel import Channel
+from ray_integration.wire.channel import REPLAY_WINDOW, Channel
 from ray_integration.wire.protocol import DRIVER, KEEPALIVE, DriverKind, Keys
 from ray_integration.wire.settings import WorkerSettings
 from ray_integration.worker.mailbox import ANSWERS, NOTICE_HANDLERS, Mailbox, NoticeFailed
@@ -45,7 +45,8 @@ def job():
     def mailbox(worker_id, handlers, on_failure=None, store=None):
         pool.records[worker_id] = WorkerRecord(worker_id, actor=NoRay(), info_ref=None, run_ref=None,
                                                created_at=time.monotonic())
-        box = Mailbox(Channel(store or server.connect(10.0), secret, worker_id), keys.worker_inbox(worker_id),
+        box = Mailbox(Channel(store or server.connect(10.0), secret, worker_id, replay_window=REPLAY_WINDOW),
+                      keys.worker_inbox(worker_id),
                       handlers, on_failure)
         box.start()
         boxes.append(box)
@@ -276,7 +277,7 @@ def test_a_replaced_reader_that_wakes_hands_its_message_over_and_nothing_is_take
     inbox = keys.worker_inbox("w")
     connect_direct = lambda: server.connect(10.0)  # noqa: E731
     got = []
-    first = Channel(connect_direct(), secret, "w", connect=connect_direct)
+    first = Channel(connect_direct(), secret, "w", connect=connect_direct, replay_window=REPLAY_WINDOW)
     release = threading.Event()
     real_verify = first.verify
 
@@ -296,6 +297,8 @@ def test_a_replaced_reader_that_wakes_hands_its_message_over_and_nothing_is_take
     pool.send.send(inbox, DriverKind.ABORT, round=1, why="first")  # the old reader takes it, and stalls
     pool.send._store = kept
     _until(lambda: box.replaced == 1)  # its keepalive did not come back: a new reader on a fresh connection
+    others = [WorkerRecord(f"o{i}", actor=NoRay(), info_ref=None, run_ref=None, created_at=0.0) for i in range(70)]
+    pool.abort_round(others, 1, "to 70 other members: numbered per queue, no gap in this worker's numbers")
     pool.send.send(inbox, DriverKind.ABORT, round=2, why="second")
     _until(lambda: got == [2])  # the new reader's, checked first (its number is the higher one)
     release.set()

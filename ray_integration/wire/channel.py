@@ -60,34 +60,38 @@ def with_retries(op: Callable[[], T], what: str, retries: int = RETRIES,
     raise AssertionError("unreachable")
 
 
-#: How far below a sender's highest message number a number not seen yet is still taken (two readers of one queue,
-#: a replaced one and its successor, may check two messages out of order). Older ones are refused as replays.
+#: How far below a sender's highest message number on a queue a number not seen yet is still taken by a channel made
+#: with ``replay_window=REPLAY_WINDOW`` (a worker's mailbox: a replaced reader and its successor may check two
+#: messages out of order). Older ones are refused as replays. Other channels take only increasing numbers.
 REPLAY_WINDOW = 64
 
 
-def _accept(seen: tuple[int, int], n: int) -> tuple[int, int] | None:
+def _accept(seen: tuple[int, int], n: int, window: int = REPLAY_WINDOW) -> tuple[int, int] | None:
     """The new record of a sender's message numbers after ``n``, or None if ``n`` was seen or is too old.
     ``seen`` is (the highest number, a bitmap whose bit i says that highest - i was seen)."""
     top, bits = seen
     if n > top:
         shift = n - top
-        return n, ((bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+        return n, ((bits << shift) | 1) & ((1 << window) - 1) if shift < window else 1
     offset = top - n
-    if n < 1 or offset >= REPLAY_WINDOW or bits >> offset & 1:
+    if n < 1 or offset >= window or bits >> offset & 1:
         return None
     return top, bits | 1 << offset
 
 
 class Channel:
     """One party's sealed messages. ``store`` must not be shared with a thread that blocks on it.
-    ``connect()``, if given, makes a fresh store connection: a broken one is replaced before a retry."""
+    ``connect()``, if given, makes a fresh store connection: a broken one is replaced before a retry. Messages are
+    numbered per queue; ``replay_window``: how far out of order a receiver takes a sender's numbers on one queue
+    (1: only increasing ones)."""
 
     def __init__(self, store: dist.Store, secret: bytes, sender: str,
-                 connect: Callable[[], dist.Store] | None = None) -> None:
+                 connect: Callable[[], dist.Store] | None = None, replay_window: int = 1) -> None:
         self._store, self._secret, self.sender, self._connect = store, secret, sender, connect
         self._lock = threading.Lock()
-        self._sent = 0
-        self._seen: dict[str, tuple[int, int]] = {}  # sender -> (highest number seen, REPLAY_WINDOW bits below it)
+        self._sent: dict[str, int] = {}  # queue -> the number of the last message sent there (numbered per queue)
+        self._seen: dict[tuple[str, str], tuple[int, int]] = {}  # (sender, queue) -> (highest seen, window bits)
+        self._window = replay_window
         self._seen_lock = threading.Lock()
         self.forged = 0
         self.reconnects = 0
@@ -97,7 +101,7 @@ class Channel:
         (a reader that replaces a stuck one must not take a replay for new)."""
         if self._connect is None:
             raise ValueError("Channel.sibling needs a channel made with connect=")
-        twin = Channel(self._connect(), self._secret, self.sender, connect=self._connect)
+        twin = Channel(self._connect(), self._secret, self.sender, connect=self._connect, replay_window=self._window)
         twin._seen, twin._seen_lock = self._seen, self._seen_lock
         return twin
 
@@ -111,8 +115,8 @@ class Channel:
 
     def send(self, queue_key: str, kind: str, **fields: Any) -> None:
         with self._lock:
-            self._sent += 1
-            text = seal_json(self._secret, queue_key, {"from": self.sender, "n": self._sent, "k": kind, **fields})
+            n = self._sent[queue_key] = self._sent.get(queue_key, 0) + 1
+            text = seal_json(self._secret, queue_key, {"from": self.sender, "n": n, "k": kind, **fields})
             # A push is fire-and-forget (no round trip: a stalled driver, whose process holds the store, must not
             # block the workers' training): the first push into a connection that broke is lost without an
             # error, the next one fails and is retried over a fresh connection. What the driver must not miss
@@ -136,11 +140,15 @@ class Channel:
         if not isinstance(msg, dict) or not isinstance(msg.get("n"), int) or not isinstance(msg.get("from"), str):
             self.forged += 1
             return None
+        if isinstance(msg["n"], bool):
+            self.forged += 1
+            return None
         with self._seen_lock:
-            seen = _accept(self._seen.get(msg["from"], (0, 0)), msg["n"])
+            key = (msg["from"], queue_key)
+            seen = _accept(self._seen.get(key, (0, 0)), msg["n"], self._window)
             if seen is None:
                 return None  # a replay, or a duplicate
-            self._seen[msg["from"]] = seen
+            self._seen[key] = seen
         return msg
 
     def receive(self, queue_key: str, timeout_s: float) -> dict | None:

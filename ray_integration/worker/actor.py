@@ -38,7 +38,7 @@ from elastic_ring.core.log import get_logger
 
 from .. import data as data_input
 from ..errors import WorkerError, WorkerGaveUp
-from ..wire.channel import Channel
+from ..wire.channel import REPLAY_WINDOW, Channel
 from ..wire.launch_env import horovod_environment
 from ..wire.protocol import Keys, WorkerKind
 from ..wire.settings import WorkerSettings
@@ -119,7 +119,8 @@ class RingWorker:
         self._send = Channel(reconnect(), secret, worker_id, connect=reconnect)
         # the one reader of this worker's queue, from now on: ring answers for the rendezvous, and the driver's
         # notices (abort, re-form/persist/stop, preemption) acted on while fn trains
-        self._mailbox = Mailbox(Channel(reconnect(), secret, worker_id, connect=reconnect),
+        self._mailbox = Mailbox(Channel(reconnect(), secret, worker_id, connect=reconnect,
+                                        replay_window=REPLAY_WINDOW),
                                 self._keys.worker_inbox(worker_id), NOTICE_HANDLERS, on_failure=self._mailbox_failed,
                                 send=self._send, idle_s=KEEPALIVE_BACK_S)
         self._rendezvous: WorkerRendezvous | None = None
@@ -201,7 +202,8 @@ class RingWorker:
     def _mailbox_failed(self, exc: BaseException) -> None:
         """The mailbox thread ended (a store it cannot reach, or a notice it could not apply): this worker would
         no longer hear the driver. It says why, if it can, and goes silent: the driver replaces it naming that."""
-        _log.error("worker %s: its mailbox thread failed: %s: %s", self.worker_id, type(exc).__name__, exc)
+        _log.error("worker %s: its mailbox thread failed: %s: %s", self.worker_id, type(exc).__name__, exc,
+                   exc_info=exc)
         try:
             self._send.send(self._keys.driver_inbox, WorkerKind.FAULT, what="mailbox thread",
                             error=f"{type(exc).__name__}: {exc}")

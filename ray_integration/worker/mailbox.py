@@ -23,8 +23,8 @@ out of order within a window (:data:`~..wire.channel.REPLAY_WINDOW`).
 
 A message is genuine (its MAC under the job's secret checks, its number is new) or it is dropped unread
 (:class:`~..wire.channel.Channel`); only the driver's messages are read. A store failure the channel's
-reconnection cannot mend, or a handler's failure (:class:`NoticeFailed`), ends the reading: the rendezvous raises it at its next wait, and
-``on_failure`` tells the worker (which reports it to the driver and goes silent, as when its heartbeat thread
+reconnection cannot mend, or a handler's failure (:class:`NoticeFailed`), ends the reading: the rendezvous raises it
+at its next wait, and ``on_failure`` tells the worker (which reports it to the driver and goes silent, as when its heartbeat thread
 fails), so nothing is swallowed and nothing waits on a reader that is gone.
 """
 
@@ -134,8 +134,10 @@ class Mailbox:
                     if msg is not None and not self._closing.is_set():
                         self._sort(msg)
             except BaseException as exc:  # a handler failed (whichever reader handed the message over)
-                self._fail(NoticeFailed(f"the driver's {msg.get('k')!r} message could not be applied: "
-                                        f"{type(exc).__name__}: {exc}"))
+                failed = NoticeFailed(f"the driver's {msg.get('k')!r} message could not be applied: "
+                                      f"{type(exc).__name__}: {exc}")
+                failed.__cause__ = exc
+                self._fail(failed)
                 return
 
     def _sort(self, msg: dict) -> None:
@@ -155,6 +157,12 @@ class Mailbox:
                          self._key, msg.get("k"))
 
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except BaseException as exc:  # (a reader that could not be started, say): surfaced, never silent
+            self._fail(exc)
+
+    def _watch_loop(self) -> None:
         """Push a keepalive when nothing came for KEEPALIVE_S; replace a reader whose keepalive did not come back
         within ``idle_s``: its connection died without a sound, and a blocking pop there waits for ever
         (TCPStore's timeout then waits for the server's answer to its cancel). What the driver pushed meanwhile is
@@ -168,8 +176,10 @@ class Mailbox:
                 return
             now = time.monotonic()
             with self._lock:
-                if now - last > 2 * period and self._keepalive is not None:  # this process did not run (SIGSTOP,
-                    self._keepalive = (self._keepalive[0], now)              # starved): nor could its reader
+                overslept = now - last - period
+                if overslept > period and self._keepalive is not None:  # this process did not run (SIGSTOP,
+                    seq, sent = self._keepalive                          # starved): nor could its reader
+                    self._keepalive = (seq, sent + overslept)
                 last = now
                 stuck = self._keepalive is not None and now - self._keepalive[1] > self._idle_s
                 due = self._keepalive is None and now - self._heard_at >= self._keepalive_s

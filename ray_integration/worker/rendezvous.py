@@ -62,6 +62,9 @@ class WorkerRendezvous:
                 raise er.RendezvousError(f"worker {self._id} lost the driver's rendezvous store while waiting for "
                                          f"ring {generation} ({reason}): {exc}; the driver process probably "
                                          "ended") from exc
+            except Exception as exc:  # any other end of its reading (e.g. a reader that could not be replaced)
+                raise er.RendezvousError(f"worker {self._id}: its mailbox stopped reading while waiting for ring "
+                                         f"{generation} ({reason}): {type(exc).__name__}: {exc}") from exc
             if msg is None:
                 raise er.RendezvousError(
                     f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
