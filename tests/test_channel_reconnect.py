@@ -3,9 +3,6 @@ connection runs through a TCP relay that the test cuts; the next sends and the n
 through a fresh connection instead of failing (before, the heartbeat thread died and the driver later
 killed a healthy worker as silent). What a lost push would have told the driver rides in every heartbeat."""
 
-import socket
-import threading
-
 import pytest
 
 import elastic_ring as er
@@ -13,57 +10,7 @@ from elastic_ring.ring.store import StoreServer
 from elastic_ring.ring import store as ring_store
 from elastic_ring.core.auth import new_secret
 from ray_integration.wire.channel import Channel
-
-
-class Relay:
-    """Forwards TCP connections from its own port to ``target``; :meth:`cut` closes every live one."""
-
-    def __init__(self, target: er.StoreAddress) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.live: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            upstream = socket.create_connection((self.target.host, self.target.port))
-            with self.lock:
-                self.live += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass  # cut: the other direction's pipe sees it too
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed
-
-    def cut(self) -> None:
-        with self.lock:
-            for s in self.live:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                    s.close()
-                except OSError:
-                    pass  # already closed
-            self.live.clear()
-
-    def close(self) -> None:
-        self.cut()
-        self.listener.close()
+from tests.relay import Relay
 
 
 @pytest.fixture

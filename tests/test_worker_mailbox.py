@@ -4,7 +4,6 @@ Ray actor call per member. Real store, real sealed channels, the real pool's met
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -24,6 +23,7 @@ from ray_integration.wire.protocol import DRIVER, KEEPALIVE, DriverKind, Keys
 from ray_integration.wire.settings import WorkerSettings
 from ray_integration.worker.mailbox import ANSWERS, NOTICE_HANDLERS, Mailbox, NoticeFailed
 from state import membership
+from tests.relay import Relay
 
 
 class NoRay:
@@ -163,12 +163,17 @@ def test_a_notice_it_cannot_apply_ends_the_thread_loudly(job):
     assert not box.alive
 
 
+def _on_a_store_of_its_own(mailbox, failures):
+    """A store server the test can make go away, and a mailbox reading from it."""
+    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", other.port, is_master=False, wait_for_workers=False)
+    return other, mailbox("w", NOTICE_HANDLERS, on_failure=failures.append, store=client)
+
+
 def test_a_store_that_is_gone_ends_the_thread_after_its_retries_and_wakes_the_waiting_rendezvous(job):
     pool, mailbox, *_ = job
     failures = []
-    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", other.port, is_master=False, wait_for_workers=False)
-    box = mailbox("w", NOTICE_HANDLERS, on_failure=failures.append, store=client)
+    other, box = _on_a_store_of_its_own(mailbox, failures)
     raised = []
 
     def wait():
@@ -190,61 +195,16 @@ def test_a_store_that_is_gone_ends_the_thread_after_its_retries_and_wakes_the_wa
 def test_a_closed_mailbox_does_not_report_the_store_going_away(job):
     pool, mailbox, *_ = job
     failures = []
-    other = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", other.port, is_master=False, wait_for_workers=False)
-    box = mailbox("w", NOTICE_HANDLERS, on_failure=failures.append, store=client)
+    other, box = _on_a_store_of_its_own(mailbox, failures)
     box.close()  # the worker's run ended
     del other
     _until(lambda: not box.alive, timeout_s=30)
     assert failures == []
 
 
-class BlackHoleRelay:
-    """Forwards TCP connections to ``target``; :meth:`black_hole` makes every live one drop what it carries,
-    both ways, without closing it (a NAT or a firewall that forgot the flow): nobody hears a thing."""
-
-    def __init__(self, target) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.flows: list[dict] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            upstream = socket.create_connection((self.target.host, self.target.port))
-            flow = {"dropped": False, "sockets": (client, upstream)}
-            self.flows.append(flow)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b, flow), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst, flow) -> None:
-        try:
-            while data := src.recv(65536):
-                if not flow["dropped"]:
-                    dst.sendall(data)
-        except OSError:
-            pass  # closed at the end of the test
-
-    def black_hole(self) -> None:
-        for flow in self.flows:
-            flow["dropped"] = True
-
-    def close(self) -> None:
-        self.listener.close()
-        for flow in self.flows:
-            for s in flow["sockets"]:
-                s.close()
-
-
 def test_a_reader_stuck_on_a_silently_dead_connection_is_replaced_and_nothing_pushed_meanwhile_is_lost(job):
     pool, mailbox, server, secret, keys = job
-    relay = BlackHoleRelay(server.address)
+    relay = Relay(server.address)
     try:
         through_relay = lambda: connect(er.StoreAddress("127.0.0.1", relay.port), 10.0)  # noqa: E731
         got = []
