@@ -8,8 +8,9 @@ and pushed into the store by this process. A first ring of N forms; then the N â
 queued in the store while the inbox thread is held, and, at once, Ray reports the last rank dead and the inbox is
 let go; the next loss is of that ring's last rank (rings of N, N âˆ’ 1, ...). Measured (wall, medians of ``REPS``):
 
-* ``burst_to_spec_ms``: from that instant to the last survivor's ring answer pushed (its inbox read every request,
-  the loop stepped, aborted the old round, formed the ring and answered every survivor);
+* ``burst_to_spec_ms``: from that instant to the last survivor's ring answer pushed (the loop stepped, aborted the
+  old round, formed the ring and answered every survivor, while its inbox read the requests: since 2026-11-28 the
+  survivors whose request it had not applied yet are answered ahead of it, ``decisions.prompt_ring``);
 * ``loop_cpu_ms`` / ``inbox_cpu_ms``: the two threads' CPU time in that window;
 * ``steps``: how many times the loop stepped its state in it;
 * then a node of the ring drains (Ray's drain list): ``drain_seen_ms`` until the driver's poll saw it (it polls

@@ -23,8 +23,9 @@ from typing import Any, Callable
 #: Every figure of a result line, in order (the first five are the issue's).
 FIELDS = ("driver_cpu_per_s", "loss_to_spec_s", "store_ops_per_reform", "notice_to_all_s", "heartbeat_lag_s",
           "heartbeat_lag_p99_s", "loop_cpu_per_s", "inbox_cpu_per_s", "steps_per_s", "ms_per_step", "msgs_per_s",
-          "store_bytes_per_reform", "requests_sent_s", "loss_to_requests_s", "requests_to_spec_s", "drain_seen_s", "seen_to_notified_s",
-          "loss_to_spec_max_s", "start_to_spec_s", "join_to_spec_s", "drain_to_spec_s", "load")
+          "store_bytes_per_reform", "loss_to_aborted_s", "answered_ahead", "requests_sent_s", "loss_to_requests_s",
+          "drain_seen_s", "seen_to_notified_s", "loss_to_spec_max_s", "start_to_spec_s", "join_to_spec_s",
+          "drain_to_spec_s", "load")
 
 PER_NODE = 8
 RESERVE = 16  # idle workers for the replacements
@@ -301,13 +302,18 @@ def _loss_and_join(sc: _Scenario, driver: Any, pool: Any, driver_store: Any, rec
     time.sleep(0.3)  # the old round's keys are cleaned up on the driver's next ticks
     after = _counts(sc, pool, driver_store, recv_store)
     out["loss_to_spec_s"] = _answered(pool, lost) - t_loss
-    # its parts: the survivors' ring requests sent (the simulated workers' side, on this VM's shared cores), then
-    # applied by the driver (its inbox's backlog included), then the driver's own (the decision, every answer)
+    # the survivors answered before the driver applied their request (decisions.prompt_ring: all but those that
+    # asked first), and, off the critical path then, their requests: sent (the simulated workers' side, on this
+    # VM's shared cores), then applied by the driver (its inbox's backlog included)
+    formed = [e for e in driver.events.events if e.kind == "ring_formed" and e.round_id == lost.round_id]
+    reported = [e for e in driver.events.events if e.kind == "worker_lost" and e.detail.get("worker") == victim]
+    if reported:  # the re-form's step reported the loss: the abort was pushed to every survivor before
+        out["loss_to_aborted_s"] = reported[-1].time - t_loss
+    out["answered_ahead"] = formed[-1].detail.get("prompt", 0) if formed else 0
     last_request = max(pool.requested_at.get(w, float("-inf")) for w in survivors)
     if last_request > t_loss:
         out["requests_sent_s"] = max(pool.request_sent_at.get(w, t_loss) for w in survivors) - t_loss
         out["loss_to_requests_s"] = last_request - t_loss
-        out["requests_to_spec_s"] = _answered(pool, lost) - last_request
     bg_msgs = after["bg_msgs"] - before["bg_msgs"]
     hb_ops = after["hb_ops"] - before["hb_ops"]
     per_msg = (after["hb_bytes"] - before["hb_bytes"]) / hb_ops if hb_ops else 0.0

@@ -41,10 +41,13 @@ driver's process on this VM's 2 cores, at 19 they starve themselves during a re-
   server threads; the scenario's own threads left out); ``loop_cpu_per_s`` the loop thread's share,
   ``inbox_cpu_per_s`` the inbox thread's (the rest: the store server's thread, Ray's watcher).
 * ``loss_to_spec_s``: from the loss to the last survivor's ring answer pushed to its queue (the median over the
-  losses, ``loss_to_spec_max_s`` the slowest; its parts and ``join_to_spec_s`` are medians too); its parts:
+  losses, ``loss_to_spec_max_s`` the slowest; the figures below and ``join_to_spec_s`` are medians too). Since
+  2026-11-28 the driver answers the survivors of a loss whose cause it knows before they ask
+  (``decisions.prompt_ring``): ``loss_to_aborted_s`` until its re-form step had pushed the abort to every survivor
+  (its ``worker_lost`` event), ``answered_ahead`` survivors were answered so (the others' requests came first);
   ``requests_sent_s`` (until the last survivor sent its ring request: the simulated workers' side, on the shared
-  cores), ``loss_to_requests_s`` (until the driver applied it: the inbox's backlog included) and
-  ``requests_to_spec_s`` (the driver's own: the decision, the ring, every answer).
+  cores) and ``loss_to_requests_s`` (until the driver applied it: the inbox's backlog included) are the requests'
+  trip that the answers no longer wait for.
 * ``store_ops_per_reform`` / ``store_bytes_per_reform``: every store operation (and key and value bytes) of that
   re-form, from the loss until every survivor went through the formation's store traffic, driver and workers,
   heartbeats and reports left out.

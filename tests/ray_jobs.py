@@ -61,6 +61,8 @@ def train(config: dict):
                 if config.get("raise_at_step") == state.step and er.rank() == config.get("raise_rank", 0):
                     raise ValueError(f"user bug at step {state.step}")
                 for rnd, rank, step, kind in faults:
+                    if kind == "kill_resting":
+                        continue  # (after the step: below)
                     if kind.endswith("_forwarder") and er.round_id() == rnd and state.step == step:
                         forwarder_fault(kind, config["forwarder_file"])  # on whichever rank forwards the beats
                     elif er.round_id() == rnd and er.rank() == rank and state.step == step:
@@ -89,6 +91,11 @@ def train(config: dict):
                         f.write(f"{state.step} {er.size()}")
                 if state.step % config.get("commit_every", 2) == 0:
                     state.commit()
+                resting = [f for f in faults if f[3] == "kill_resting" and er.round_id() == f[0] and state.step == f[2]]
+                if resting:  # every rank rests after this step; the victim dies at its start (while no collective runs)
+                    if er.rank() == resting[0][1]:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    time.sleep(config.get("rest_s", 2.0))
                 if delay_s:
                     time.sleep(delay_s)
                 if er.size() < config.get("slow_below_size", 0):  # hold the job open until a replacement joins

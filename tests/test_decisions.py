@@ -123,6 +123,10 @@ def test_a_member_writing_the_commit_the_driver_asked_for_is_never_stuck():
     ([M("a", waiting="failure"), M("b")], Outcome.REFORM_FAILURE),
     ([M("a", waiting="membership"), M("b")], Outcome.REFORM_MEMBERSHIP),
     ([M("a", waiting="membership"), M("b", dead=True)], Outcome.REFORM_FAILURE),
+    # answered in advance (prompt_ring): fine until it returns without asking; the ring it was given never forms
+    ([M("a", unasked=True), M("b")], Outcome.CONTINUE),
+    ([M("a", finished=True, unasked=True), M("b")], Outcome.REFORM_FAILURE),
+    ([M("a", finished=True, unasked=True), M("b", finished=True)], Outcome.FINISH),
 ])
 def test_running_outcome(members, expected):
     assert decisions.running_outcome(members) is expected
@@ -165,6 +169,29 @@ def test_reform_decision(members, joiners, stop, ever, waited_s, expected):
 
 LV = dict(leaving=True, waiting="membership", has_state=True)   # a leaving holder at the rendezvous
 SAVED = DrainView(True, 0.5, final=PersistView(2, True, 1, 3.0, True, True, False))  # the drain's final write landed
+
+
+H = dict(silent_s=0.2, has_state=True)  # heard within suspect_after_s (1.5 s here), holds the state
+
+
+@pytest.mark.parametrize("members, joiners, stop, drain, prompt", [
+    ([M("a", **H), M("b", **H), M("c", dead=True)], 0, False, None, True),
+    ([M("a", waiting="failure", **H), M("b", **H), M("c", dead=True)], 0, False, None, True),  # one asked already
+    ([M("a", waiting="failure", **H), M("b", **H)], 0, False, None, False),  # nobody dead: b may be the cause
+    ([M("a", **H), M("b", has_state=True, silent_s=1.6), M("c", dead=True)], 0, False, None, False),  # b suspect
+    ([M("a", **H), M("b", has_state=True), M("c", dead=True)], 0, False, None, False),  # b never heard
+    ([M("a", **H), M("b", finished=True, **H), M("c", dead=True)], 0, False, None, False),  # fn returned on b
+    ([M("a", **H), M("b", leaving=True, **H), M("c", dead=True)], 0, False, None, False),  # b's node drains
+    ([M("a", **H), M("b", **H), M("c", dead=True)], 0, True, None, False),  # a stop: its own commit
+    ([M("a", **H), M("b", **H), M("c", dead=True)], 0, False, DrainView(can_persist=True), False),
+    ([M("a", **H), M("c", dead=True)], 0, False, None, False),   # below min_workers: a capacity wait
+    ([M("a", **H), M("c", dead=True)], 1, False, None, True),    # a joiner makes two
+    ([M("a", silent_s=0.2), M("b", silent_s=0.2), M("c", dead=True)], 0, False, None, False),  # no holder left
+    ([M("c", dead=True)], 2, False, None, False),                # no survivor
+])
+def test_a_loss_is_answered_before_the_survivors_ask_only_when_its_cause_and_outcome_are_known(
+        members, joiners, stop, drain, prompt):
+    assert decisions.prompt_ring(members, joiners, stop, True, LIMITS, drain) is prompt
 
 
 @pytest.mark.parametrize("members, joiners, stop, waited_s, checkpoint, expected, says", [

@@ -143,6 +143,19 @@ def test_reforming_after_a_failure_aborts_reports_counts_and_forms():
     assert isinstance(nxt, Running)
 
 
+def test_reforming_after_a_known_loss_answers_the_heard_survivors_before_they_ask():
+    members = (M("a", has_state=True, silent_s=0.1), M("b", dead=True), M("c", silent_s=0.1))
+    actions, nxt = drive(Reforming("failure", since=99.0), ctx(members=members, unreported_losses=("b",),
+                                                                ever_had_state=True))
+    assert kinds(actions) == ["AbortRound", "PollDrains", "KillSilent", "ReportLost", "CountFailure", "Form",
+                              "AddEvent:recovered"]
+    assert actions[5] == c.Form(("a", "c"), (), reason="failure", prompt=True) and isinstance(nxt, Running)
+    # a stop on its way: the survivors' requests are waited for (their ring commits durably and stops)
+    actions, nxt = drive(Reforming("failure", since=99.0), ctx(members=members, ever_had_state=True,
+                                                                stop_reason="SIGTERM", stop_age_s=0.0))
+    assert "Form" not in kinds(actions) and isinstance(nxt, Reforming)
+
+
 def test_reforming_fails_when_failures_exceed_max_failures():
     limits = TrainerConfig(max_failures=1).limits
     reforming = Reforming("failure", since=99.0)

@@ -108,7 +108,8 @@ class Form:
     """Form the next round of ``staying`` + ``joiners`` (at most max_workers, plus ``extra`` leaving holders
     in a handover round); ``stop``: the round commits durably and ends; ``handover``: it re-forms right after
     its sync; ``persist``: it commits right after its sync, writes that commit durably (the drain's final write,
-    numbered like a RequestPersist) and re-forms."""
+    numbered like a RequestPersist) and re-forms; ``prompt``: the members of ``staying`` that have not asked yet
+    are answered for the request they will make (:func:`.decisions.prompt_ring`)."""
 
     staying: tuple[str, ...]
     joiners: tuple[str, ...]
@@ -117,6 +118,7 @@ class Form:
     handover: bool = False
     extra: int = 0
     persist: bool = False
+    prompt: bool = False
 
 
 @dataclass(frozen=True)

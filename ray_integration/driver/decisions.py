@@ -34,11 +34,13 @@ class Outcome(enum.Enum):
 
 
 def running_outcome(members: list[MemberView]) -> Outcome:
-    """What the running ring's members say: keep going, it is done, or it must re-form (and why)."""
+    """What the running ring's members say: keep going, it is done, or it must re-form (and why). A member whose
+    fn returned before it asked for the ring it was answered in advance (:func:`prompt_ring`) never forms it: the
+    others would wait for it until their formation times out, so the ring re-forms now."""
     alive = [m for m in members if m.alive]
     if _returned(alive) and all(m.finished or m.waiting == "failure" for m in alive):
         return Outcome.FINISH   # fn returned; a peer lost at the very end does not undo that
-    if any(m.dead for m in members) or any(m.waiting == "failure" for m in alive):
+    if any(m.dead for m in members) or any(m.waiting == "failure" or m.finished and m.unasked for m in alive):
         return Outcome.REFORM_FAILURE
     if any(m.waiting == "membership" for m in alive):
         return Outcome.REFORM_MEMBERSHIP
@@ -207,6 +209,28 @@ def _keepers(keepers: list[MemberView], takers: int, waited_s: float, limits: Li
             "if it is set, the checkpoint_failed events say why the write failed), or keep capacity for "
             "replacements"))
     return ReformDecision(Step.WAIT)
+
+
+def prompt_ring(members: list[MemberView], joiners: int, stop: bool, ever_had_state: bool, limits: Limits,
+                drain: DrainView | None) -> bool:
+    """Answer the survivors of a loss before they ask: form the next ring now, and push each survivor its answer
+    behind the round's abort (the answer waits in its queue for the request its failed collective makes). Only
+    when the driver knows the cause and the outcome: a member is dead; every other one is alive, neither
+    returned nor leaving, and either asked already or was heard within ``suspect_after_s`` (presumed on its way
+    to the rendezvous); no stop and no drain is in progress; and the ring it would form once all of them asked
+    is an ordinary one (:func:`reform_decision` says FORM, neither keeping leavers nor resuming a checkpoint).
+    It saves the survivors' requests' trip through the driver's inbox (1,023 of them at 1,024 workers). Should a
+    survivor not come after all, the ring it was given fails to form or is aborted like any other
+    (:func:`running_outcome`, the silence rules); every other case waits for each survivor's request."""
+    if stop or drain is not None or not any(m.dead for m in members):
+        return False
+    alive = [m for m in members if m.alive]
+    if not alive or any(m.finished or m.leaving for m in alive) or not all(
+            m.waiting is not None or m.silent_s is not None and m.silent_s <= limits.suspect_after_s for m in alive):
+        return False
+    asked = [m._replace(waiting=m.waiting or "failure") for m in members]
+    decision = reform_decision(asked, joiners, False, ever_had_state, 0.0, limits)
+    return decision.step is Step.FORM and not decision.keep_leavers and not decision.message
 
 
 def should_grow(world_size: int, ready_joiners: int, max_workers: int, change_pending: bool, stopping: bool) -> bool:

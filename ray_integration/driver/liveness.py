@@ -25,6 +25,7 @@ class MemberView(NamedTuple):
     has_state: bool = False      # it completed a sync
     silent_s: float | None = None  # since its heartbeat counter last advanced (driver clock); None: no beat yet
     leave_in_s: float | None = None  # leaving: time left before its node's drain deadline (None: no deadline known)
+    unasked: bool = False        # answered with a ring before it asked for one (decisions.prompt_ring), not yet asked
 
     @property
     def alive(self) -> bool:

@@ -160,9 +160,9 @@ class Driver:
                 counted = [r for r in self.pool.live() if not r.leaving and r.node_id not in self.draining]
                 wanted = decisions.workers_to_request(len(counted), self.config.max_workers)
                 return self.pool.request(wanted) > 0  # (no new record: the Context would show nothing new)
-            case Form(staying, joiners, reason, stop, handover, extra, persist):
+            case Form(staying, joiners, reason, stop, handover, extra, persist, prompt):
                 self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra,
-                          persist)
+                          persist, prompt)
             case Notify():
                 self.pool.notify(self.members(), self.round_id, change=True)
                 return False
@@ -314,11 +314,15 @@ class Driver:
         return changed
 
     def form(self, members: list[WorkerRecord], joiners: list[WorkerRecord], reason: str, stop: bool = False,
-             handover: bool = False, extra: int = 0, persist: bool = False) -> None:
+             handover: bool = False, extra: int = 0, persist: bool = False, prompt: bool = False) -> None:
         """Form the next round of ``members`` + ``joiners`` (at most max_workers, plus ``extra`` leaving
         holders in a handover round, which re-forms without them right after its sync); ``persist``: a round that
-        writes the state (the drain's final write, numbered) right after its sync and re-forms."""
+        writes the state (the drain's final write, numbered) right after its sync and re-forms; ``prompt``: some
+        members were answered before they asked (:meth:`.pool.WorkerPool.expect`), said in ``ring_formed``."""
         chosen = (members + joiners)[: self.config.max_workers + extra]
+        if prompt:
+            for record in chosen:
+                self.pool.expect(record, reason)
         self.round_id += 1
         persist_id = self.pool.persists.ask(final=True, round_id=self.round_id, now=time.monotonic()) if persist else 0
         within_s = None
@@ -344,7 +348,8 @@ class Driver:
             self.pool.notify(self.members(), self.round_id, stop=True, persist=True)
         self.events.add("ring_formed", self.round_id, self.ring.world_size, reason=reason, stop=stop, handover=handover,
                         ranks=list(self.ring.worker_ids), nodes=[n[:12] for n in self.ring.node_ids],
-                        **({"persist": persist_id} if persist_id else {}))
+                        **({"persist": persist_id} if persist_id else {}),
+                        **({"prompt": sum(1 for r in records if r.expected)} if prompt else {}))
         self.tell_preemption()
 
     # ------------------------------------------------------------ the loop
@@ -385,7 +390,10 @@ class Driver:
                     continue  # only heartbeats and reports (the state steps at the tick), or too soon after a step
                 relevant, stepped = False, now
                 self.newly_draining = ()
-                state = self.advance(state)
+                state, previous = self.advance(state), state
+                if state is not previous and not state.terminal:  # a new state steps at once: a loss's re-form
+                    self.newly_draining = ()                      # aborts the round now, not at the next tick
+                    state = self.advance(state)
                 step_s = time.monotonic() - stepped  # (the step's O(members) work, not the caller's on_tick I/O)
                 if on_tick is not None and not state.terminal:  # the caller checks the ended run itself
                     on_tick(self)

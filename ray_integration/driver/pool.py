@@ -97,6 +97,13 @@ class WorkerPool:
         record.answered, record.answered_at, record.in_ring = record.generation, time.monotonic(), True
         record.resends = 0
 
+    def expect(self, record: WorkerRecord, reason: str) -> None:
+        """``record`` (a member that has not asked yet) will ask for its next ring: the next answer is for the
+        generation that request will carry (:func:`.decisions.prompt_ring`). A waiting record already asked."""
+        if not record.waiting:
+            record.generation += 1
+            record.reason, record.expected = reason, record.generation
+
     def stop(self, record: WorkerRecord, why: str) -> None:
         """Answer a waiting worker with stop: its run returns (it leaves the job)."""
         if record.waiting:
@@ -252,7 +259,7 @@ class WorkerPool:
             record.has_state = True
         waiting = msg.get("waiting")
         if isinstance(waiting, int) and waiting > 0:
-            changed = self._note_request(record, waiting, msg.get("reason")) or changed
+            changed = self._note_request(record, waiting, msg.get("reason"), now) or changed
             if waiting == record.answered and record.answer is not None and now - record.answered_at > \
                     resend_after_s(self.config.heartbeat_interval_s, self.inbox_delay_s, record.resends):
                 self._deliver(record, dict(record.answer))  # the answer got lost: send it again
@@ -276,7 +283,7 @@ class WorkerPool:
         return changed
 
     def _ring_request(self, record: WorkerRecord, msg: dict, now: float) -> bool:
-        return self._note_request(record, msg.get("generation"), msg.get("reason"))
+        return self._note_request(record, msg.get("generation"), msg.get("reason"), now)
 
     def _synced(self, record: WorkerRecord, msg: dict, now: float) -> bool:
         record.has_state = True
@@ -313,8 +320,15 @@ class WorkerPool:
         record.fault = f"{msg.get('what')}: {msg.get('error')}"
         return True
 
-    def _note_request(self, record: WorkerRecord, generation: Any, reason: Any) -> bool:
-        """Note a ring request; True if it was a new one."""
+    def _note_request(self, record: WorkerRecord, generation: Any, reason: Any, now: float) -> bool:
+        """Note a ring request; True if it was a new one. The request for a ring answered in advance
+        (:meth:`expect`) is no news: its answer waits in the worker's queue (a resend is due from now on, not from
+        when the driver answered)."""
+        if record.expected and isinstance(generation, int) and generation >= record.expected:
+            asked, record.expected = generation == record.expected, 0
+            if asked:
+                record.answered_at = now
+                return False
         if isinstance(generation, int) and generation > record.generation and \
                 reason in ("start", "failure", "membership"):
             record.generation, record.reason = generation, reason

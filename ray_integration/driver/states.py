@@ -311,6 +311,9 @@ class Reforming(DriverState):
         decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,
                                              ctx.now - self.since, ctx.limits, checkpoint=ctx.checkpoint is not None,
                                              drain=ctx.drain, round_id=ctx.round_id, write_landing=ctx.write_landing)
+        if decision.step is Step.WAIT and decisions.prompt_ring(list(ctx.members), len(joiners), stopping,
+                                                                ctx.ever_had_state, ctx.limits, ctx.drain):
+            return (yield from self._form(ctx, joiners, decisions.ReformDecision(Step.FORM), prompt=True))
         if decision.step is Step.WAIT:
             if stopping and decisions.stop_overdue(ctx.stop_age_s, ctx.limits):
                 return _stop_overdue(ctx)
@@ -336,7 +339,8 @@ class Reforming(DriverState):
             return Reforming(self.reason, since=ctx.now, counted=True)  # the capacity wait starts now
         return (yield from self._form(ctx, joiners, decision))
 
-    def _form(self, ctx: Context, joiners: tuple[str, ...], decision: decisions.ReformDecision) -> Steps:
+    def _form(self, ctx: Context, joiners: tuple[str, ...], decision: decisions.ReformDecision,
+              prompt: bool = False) -> Steps:
         members = ctx.members
         staying = [m for m in members if not m.dead and not m.leaving and not m.finished]
         keepers = [m for m in members if not m.dead and m.leaving and not m.finished and m.has_state]
@@ -359,7 +363,8 @@ class Reforming(DriverState):
         if decision.message:
             yield event("resuming_from_checkpoint", uri=ctx.checkpoint)
         ctx = yield Form(tuple(m.worker_id for m in staying), () if persist else joiners, reason=self.reason,
-                         stop=stop, handover=handover, extra=len(keepers) if handover else 0, persist=persist)
+                         stop=stop, handover=handover, extra=len(keepers) if handover else 0, persist=persist,
+                         prompt=prompt)
         kind = ("handover" if handover else "drain_write" if persist else "recovered" if self.reason == "failure"
                 else "resized")
         yield event(kind, seconds=round(ctx.now - self.since, 4))

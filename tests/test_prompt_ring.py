@@ -1,0 +1,120 @@
+"""A loss answered before the survivors ask (issue 34, ``decisions.prompt_ring``): when a member is dead and every
+other one is heard and ordinary, the driver forms the next ring at once and pushes each survivor its answer behind
+the round's abort; the request each survivor then makes finds its answer waiting. The loop tests run the real
+``Driver.run`` and pool over a real store (:mod:`tests.sim_driver`); the worker's side is the real mailbox and
+rendezvous."""
+
+from __future__ import annotations
+
+import time
+
+from ray_integration import ElasticTrainer
+from ray_integration.driver.states import Finished, Reforming, Running
+from ray_integration.wire.channel import REPLAY_WINDOW, Channel
+from ray_integration.wire.protocol import DriverKind, WorkerKind
+from ray_integration.worker.mailbox import NOTICE_HANDLERS, Mailbox
+from ray_integration.worker.rendezvous import WorkerRendezvous
+from tests import ray_jobs
+from tests.sim_driver import job  # noqa: F401  (the fixture)
+from tests.test_trainer_ray import check_invariant
+
+
+def _queue(j, worker_id: str, until) -> list[dict]:
+    """The messages in ``worker_id``'s queue (read as its mailbox would), up to the first that ``until`` accepts."""
+    channel, got = Channel(j.server.connect(10.0), j.secret, worker_id, replay_window=REPLAY_WINDOW), []
+    while not got or not until(got[-1]):
+        msg = channel.receive(j.keys.worker_inbox(worker_id), 5.0)
+        assert msg is not None, f"{worker_id}'s queue ended after {[(m['k'], m.get('generation')) for m in got]}"
+        got.append(msg)
+    return got
+
+
+def _lose_last(j):
+    first = j.driver.ring
+    victim, survivors = first.worker_ids[-1], list(first.worker_ids[:-1])
+    j.wakeups.put(("ray", [("dead", victim)]))  # Ray reports the actor dead; no survivor has asked yet
+    j.wait(lambda: j.driver.ring.round_id == first.round_id + 1, "the next ring")
+    return first, survivors
+
+
+def test_a_loss_answers_every_survivor_behind_the_rounds_abort_and_their_requests_change_nothing(job):
+    j = job(8, min_workers=2)
+    j.running()
+    first, survivors = _lose_last(j)
+    ring = j.driver.ring
+    assert list(ring.worker_ids) == survivors
+    formed = [e for e in j.driver.events.events if e.kind == "ring_formed"][-1]
+    assert formed.detail["prompt"] == 7 and formed.detail["reason"] == "failure"
+    for w in survivors:
+        r = j.pool.records[w]
+        assert (r.generation, r.answered, r.expected, r.waiting) == (2, 2, 2, False)
+        got = _queue(j, w, until=lambda m: m["k"] == "ring" and m["generation"] == 2)
+        kinds = [(m["k"], m.get("round", m.get("generation"))) for m in got]
+        assert kinds == [("ring", 1), ("abort", first.round_id), ("ring", 2)], kinds  # the abort first
+        assert got[-1]["spec"]["round_id"] == ring.round_id and got[-1]["spec"]["world_size"] == 7
+    # their failed collectives now ask for generation 2: each finds its answer, nothing is answered twice
+    answers = dict(j.pool.answered_at)
+    for w in survivors:
+        j.message(w, WorkerKind.RING_REQUEST, generation=2, reason="failure")
+        j.message(w, waiting=2, reason="failure")  # its heartbeat while it reads the answer
+    j.wait(lambda: not any(j.pool.records[w].expected for w in survivors), "the requests applied")
+    time.sleep(0.3)
+    assert j.driver.ring is ring and isinstance(j.state, Running) and j.pool.answered_at == answers
+
+
+def test_a_survivor_that_returns_instead_of_asking_re_forms_the_ring_at_once(job):
+    # fn returned on it before its collective failed: the ring it was given would wait for it until the others'
+    # formation timed out; the driver aborts that ring instead, and the job finishes when the others ask
+    j = job(4, min_workers=2)
+    j.running()
+    _, survivors = _lose_last(j)
+    given = j.driver.ring
+    j.wakeups.put(("ray", [("return", survivors[0])]))
+    j.wait(lambda: isinstance(j.state, Reforming), "the given ring re-formed")
+    got = _queue(j, survivors[1], until=lambda m: m["k"] == "abort" and m["round"] == given.round_id)
+    assert got[-1]["round"] == given.round_id
+    for w in survivors[1:]:
+        j.message(w, WorkerKind.RING_REQUEST, generation=3, reason="failure")
+    j.wait(lambda: j.result, "the run ended")
+    assert isinstance(j.result[0], Finished) and j.driver.ring is given
+
+
+def test_the_real_rendezvous_finds_its_answer_waiting_and_asks_once(job):
+    j = job(4, inbox=True, min_workers=2)
+    j.running()
+    worker = j.order[0]
+    notices: list[tuple[str, object]] = []
+    box = Mailbox(Channel(j.server.connect(10.0), j.secret, worker, replay_window=REPLAY_WINDOW),
+                  j.keys.worker_inbox(worker), {k: (lambda m: notices.append((m["k"], m.get("round"))))
+                                                for k in NOTICE_HANDLERS})
+    box.start()
+    try:
+        rendezvous = WorkerRendezvous(j.senders[worker], box, j.keys, worker, j.secret, silence_s=10.0)
+        rendezvous.generation = 1  # it was answered the first ring
+        _, survivors = _lose_last(j)
+        assert worker in survivors and j.pool.records[worker].expected == 2
+        asked = time.monotonic()
+        spec = rendezvous.next_ring("failure")  # what its failed collective does
+        took = time.monotonic() - asked
+        assert spec.round_id == j.driver.ring.round_id and spec.world_size == 3 and took < 0.5, took
+        assert ("abort", 1) in notices
+        j.wait(lambda: j.pool.records[worker].expected == 0, "its request applied")
+        assert j.pool.records[worker].answered == 2 and not j.pool.records[worker].waiting
+    finally:
+        box.close()
+    assert DriverKind.RING not in NOTICE_HANDLERS
+
+
+def test_a_real_job_answers_its_survivors_before_they_ask_and_loses_no_sample(ray_session):
+    # rank 2 is SIGKILLed while every rank rests after step 3 (no collective in flight): Ray reports the death before
+    # any survivor's collective fails, and both survivors are answered in advance; every sample is still seen once
+    # per epoch and the final ring holds identical parameters
+    result = ElasticTrainer(min_workers=2, max_workers=3, progress=False).run(
+        ray_jobs.train, config={"epochs": 2, "faults": [(1, 2, 3, "kill_resting")], "rest_s": 2.0})
+    check_invariant(result, 2)
+    lost = next(i for i, e in enumerate(result.events) if e.kind == "worker_lost")
+    formed = next(e for e in result.events[lost:] if e.kind == "ring_formed")
+    assert formed.detail["reason"] == "failure" and formed.world_size == 2, formed
+    assert formed.detail.get("prompt") == 2, formed  # both survivors' answers were waiting for them
+    recovered = next(e for e in result.events[lost:] if e.kind == "recovered")
+    assert recovered.detail["seconds"] < 0.5, recovered
