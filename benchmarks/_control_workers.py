@@ -194,7 +194,7 @@ class WorkerHost:
                     w.beats += 1
                     waiting = w.waiting
                     fields = dict(seq=w.beats, synced=w.synced, waiting=waiting[0] if waiting else 0,
-                                  reason=waiting[1] if waiting else None)
+                                  reason=waiting[1] if waiting else None, asked=w.generation)
                 try:
                     self._beat(w, fields)
                     if time.monotonic() - w.heard_at >= KEEPALIVE_S:  # as a worker's mailbox, after a quiet while

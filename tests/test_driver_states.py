@@ -156,6 +156,24 @@ def test_reforming_after_a_known_loss_answers_the_heard_survivors_before_they_as
     assert "Form" not in kinds(actions) and isinstance(nxt, Reforming)
 
 
+def test_a_membership_re_form_that_loses_a_member_waits_for_the_requests_it_sent_no_abort_for():
+    members = (M("a", has_state=True, silent_s=0.1), M("b", dead=True), M("c", waiting="membership", silent_s=0.1))
+    actions, nxt = drive(Reforming("membership", since=99.0), ctx(members=members, ever_had_state=True))
+    assert "AbortRound" not in kinds(actions) and "Form" not in kinds(actions) and isinstance(nxt, Reforming)
+
+
+def test_a_ring_given_ahead_that_fails_to_form_with_nobody_lost_is_the_same_failure_counted_once():
+    waiting = (M("a", waiting="failure", has_state=True), M("c", silent_s=0.1))
+    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=waiting, ever_had_state=True, prompted=True))
+    assert "CountFailure" not in kinds(actions)
+    lost = (M("a", waiting="failure", has_state=True), M("c", dead=True))
+    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=lost, ever_had_state=True, prompted=True,
+                                                              unreported_losses=("c",)))
+    assert "CountFailure" in kinds(actions)  # a new loss
+    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=waiting, ever_had_state=True))
+    assert "CountFailure" in kinds(actions)  # an ordinary ring's failure
+
+
 def test_reforming_fails_when_failures_exceed_max_failures():
     limits = TrainerConfig(max_failures=1).limits
     reforming = Reforming("failure", since=99.0)

@@ -69,7 +69,7 @@ def test_a_loss_answers_every_survivor_behind_the_rounds_abort_and_their_request
 def test_a_survivor_that_returns_instead_of_asking_re_forms_the_ring_at_once(job):
     # fn returned on it before its collective failed: the ring it was given would wait for it until the others'
     # formation timed out; the driver aborts that ring instead, and the job finishes when the others ask
-    j = job(4, min_workers=2)
+    j = job(4, inbox=True, min_workers=2)  # (through the real inbox: its backlog is read)
     j.running()
     _, survivors = _lose_last(j)
     given = j.driver.ring
@@ -122,3 +122,58 @@ def test_a_real_job_answers_its_survivors_before_they_ask_and_loses_no_sample(ra
     assert formed.detail.get("prompt") == 2, formed  # both survivors' answers were waiting for them
     recovered = next(e for e in result.events[lost:] if e.kind == "recovered")
     assert recovered.detail["seconds"] < 0.5, recovered
+
+
+def test_a_survivor_that_asked_already_is_answered_for_its_request_and_one_awaiting_its_answer_stops_the_prompt(job):
+    j = job(4, min_workers=2)
+    j.running()
+    asker = j.order[0]
+    j.message(asker, WorkerKind.RING_REQUEST, generation=2, reason="failure")  # its collective failed first
+    j.wait(lambda: j.pool.records[asker].waiting, "its request applied")
+    _, survivors = _lose_last(j)
+    formed = next(e for e in j.driver.events.events if e.kind == "ring_formed" and e.round_id == 2)
+    assert formed.detail["prompt"] == 2  # the two that had not asked
+    assert {w: (j.pool.records[w].generation, j.pool.records[w].expected) for w in survivors} == {
+        asker: (2, 0), survivors[1]: (2, 2), survivors[2]: (2, 2)}
+    # its heartbeats say it asked generation 2 (its request was lost): the answer given ahead is asked for
+    j.message(survivors[1], asked=2)
+    j.wait(lambda: j.pool.records[survivors[1]].expected == 0, "confirmed by a heartbeat")
+
+    # a survivor whose heartbeats say it still waits for the answer it was sent (lost on its way): no ring is given
+    # ahead (that answer is sent again as long as it is its newest); the ring forms once the survivors ask
+    ring = j.driver.ring
+    for w in survivors:
+        j.message(w, WorkerKind.RING_REQUEST, generation=2, reason="failure")
+    j.message(survivors[0], waiting=2, reason="failure")
+    j.wait(lambda: j.pool.records[survivors[0]].awaits == 2, "its heartbeat applied")
+    for w in survivors[1:]:
+        j.message(w)
+    j.wakeups.put(("ray", [("dead", survivors[2])]))
+    j.wait(lambda: isinstance(j.state, Reforming), "the re-form")
+    time.sleep(0.3)
+    assert j.driver.ring is ring
+    j.message(survivors[1], WorkerKind.RING_REQUEST, generation=3, reason="failure")
+    j.message(survivors[0], WorkerKind.RING_REQUEST, generation=3, reason="failure")  # it got its answer at last
+    j.wait(lambda: j.driver.ring is not ring and any(e.kind == "recovered" and e.round_id == j.driver.ring.round_id
+                                                       for e in j.driver.events.events), "the ring after the requests")
+    formed = next(e for e in j.driver.events.events if e.kind == "ring_formed" and e.round_id == j.driver.ring.round_id)
+    assert "prompt" not in formed.detail and list(j.driver.ring.worker_ids) == survivors[:2]
+
+
+def test_a_member_reported_returned_before_its_queued_request_is_read_is_no_reason_to_re_form(job):
+    j = job(4, inbox=True, min_workers=2)
+    j.running()
+    _, survivors = _lose_last(j)
+    ring = j.driver.ring
+    j.reading.clear()  # the inbox thread stops after the next message it hands over; the rest wait in the store
+    j.message(survivors[1])
+    j.wait(lambda: j.pool.records[survivors[1]].beat_seq == j.seq[survivors[1]], "the inbox held")
+    j.message(survivors[0], WorkerKind.RING_REQUEST, generation=2, reason="failure")  # queued, unread
+    j.wakeups.put(("ray", [("return", survivors[0])]))  # Ray's word overtakes the request
+    time.sleep(0.4)
+    assert j.pool.records[survivors[0]].expected == 2 and j.pool.records[survivors[0]].finished
+    assert isinstance(j.state, Running) and j.driver.ring is ring
+    j.reading.set()
+    j.wait(lambda: j.pool.records[survivors[0]].expected == 0, "its request read")
+    time.sleep(0.3)
+    assert isinstance(j.state, Running) and j.driver.ring is ring

@@ -69,6 +69,7 @@ class Driver:
         self.start_diagnosis: str | None = None
         self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
         self.preemption = Preemption()         # what the ring's members were last told of their nodes' drains
+        self.prompted = False                  # the current ring was answered before its members asked
         # how far behind this loop reads its inbox: the workers' silence is judged net of it
         self.inbox = InboxProbe(pool.send, pool.keys.driver_inbox, config.heartbeat_interval_s,
                                 lost_after_s=config.heartbeat_timeout_s)
@@ -104,11 +105,16 @@ class Driver:
         now = time.monotonic()
         records = self.pool.records.values()
         members = self.members()
+        views = tuple(r.view(now) for r in members)
+        if any(v.unasked and v.finished for v in views) and self.pool.inbox_backlog():
+            # fn returned on a member given a ring before it asked; its request may still wait in the inbox, read
+            # after Ray's word: judge once the inbox has caught up
+            views = tuple(v._replace(unasked=False) for v in views)
         raised = tuple(UserError(r.worker_id, r.node_id, r.user_error) for r in records
                        if r.user_error is not None and r.worker_id not in self.dropped)
         return Context(
             now=now, limits=self.limits, start_timeout_s=self.config.start_timeout_s, round_id=self.round_id,
-            world_size=self.world_size, members=tuple(r.view(now) for r in members),
+            world_size=self.world_size, members=views,
             joiners=tuple(r.worker_id for r in self.joiners()),
             results={r.worker_id: r.value for r in members if r.finished},
             unreported_losses=tuple(r.worker_id for r in members if r.dead and r.worker_id not in self.lost_reported),
@@ -122,7 +128,7 @@ class Driver:
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
             ever_had_state=any(r.has_state for r in records), checkpoint=self.resumable_checkpoint(),
             drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis,
-            write_landing=self.pool.persists.landing(self._working))
+            write_landing=self.pool.persists.landing(self._working), prompted=self.prompted)
 
     def resumable_checkpoint(self) -> str | None:
         """The newest checkpoint the job would resume from: its state's, or (``write_on_notice=False``: a Ray Train
@@ -329,7 +335,7 @@ class Driver:
         if persist:
             left = [x for x in (r.leave_in_s(time.monotonic()) for r in chosen) if x is not None]
             within_s = min(left) if left else None
-        parent = self.ring
+        parent, self.prompted = self.ring, prompt
         self.ring = form_ring([Member(r.worker_id, r.node_id, r.joined_seq, r.has_state) for r in chosen], self.round_id)
         records = [self.pool.records[w] for w in self.ring.worker_ids]
         specs = ring_specs(self.ring, parent, self.config.nccl_reform == "shrink_grow",

@@ -258,6 +258,9 @@ class WorkerPool:
         if msg.get("synced") is True:
             record.has_state = True
         waiting = msg.get("waiting")
+        record.awaits = waiting if isinstance(waiting, int) and waiting > 0 else 0
+        if record.expected and isinstance(msg.get("asked"), int):
+            self._confirm(record, msg["asked"], now)  # (its request may be lost: its heartbeats say it asked)
         if isinstance(waiting, int) and waiting > 0:
             changed = self._note_request(record, waiting, msg.get("reason"), now) or changed
             if waiting == record.answered and record.answer is not None and now - record.answered_at > \
@@ -324,11 +327,8 @@ class WorkerPool:
         """Note a ring request; True if it was a new one. The request for a ring answered in advance
         (:meth:`expect`) is no news: its answer waits in the worker's queue (a resend is due from now on, not from
         when the driver answered)."""
-        if record.expected and isinstance(generation, int) and generation >= record.expected:
-            asked, record.expected = generation == record.expected, 0
-            if asked:
-                record.answered_at = now
-                return False
+        if record.expected and isinstance(generation, int) and self._confirm(record, generation, now):
+            return False
         if isinstance(generation, int) and generation > record.generation and \
                 reason in ("start", "failure", "membership"):
             record.generation, record.reason = generation, reason
@@ -337,6 +337,18 @@ class WorkerPool:
                 record.ready_at = time.monotonic()
             return True
         return False
+
+    @staticmethod
+    def _confirm(record: WorkerRecord, generation: int, now: float) -> bool:
+        """The worker asked for ``generation``: an answer given before it asked (:meth:`expect`) is asked for now, or
+        was passed by a later request. Returns whether it was that very generation (its answer waits in the
+        worker's queue: a resend is due from now on, not from when the driver answered)."""
+        if generation < record.expected:
+            return False
+        asked, record.expected = generation == record.expected, 0
+        if asked:
+            record.answered_at = now
+        return asked
 
     def apply_ray(self, refs: list[Any]) -> None:
         """Bring records up to date with Ray object refs that completed (actor started, run ended)."""

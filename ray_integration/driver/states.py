@@ -300,7 +300,10 @@ class Reforming(DriverState):
         lost = ctx.unreported_losses
         if lost:
             ctx = yield ReportLost(lost)
-        if (self.reason == "failure" or lost) and not self.counted:  # a death at a membership change counts too
+        # A death at a membership change counts too; a ring given ahead of the survivors' requests that failed to
+        # form with nobody lost since (a survivor slow to come) is the same failure, counted once.
+        same_failure = ctx.prompted and not any(m.dead for m in ctx.members)
+        if (self.reason == "failure" or lost) and not self.counted and not same_failure:
             self.counted = True
             ctx = yield CountFailure()
             message = decisions.give_up_after_failure(list(ctx.failure_ages_s), ctx.limits)
@@ -311,8 +314,8 @@ class Reforming(DriverState):
         decision = decisions.reform_decision(list(ctx.members), len(joiners), stopping, ctx.ever_had_state,
                                              ctx.now - self.since, ctx.limits, checkpoint=ctx.checkpoint is not None,
                                              drain=ctx.drain, round_id=ctx.round_id, write_landing=ctx.write_landing)
-        if decision.step is Step.WAIT and decisions.prompt_ring(list(ctx.members), len(joiners), stopping,
-                                                                ctx.ever_had_state, ctx.limits, ctx.drain):
+        if decision.step is Step.WAIT and self.aborted and decisions.prompt_ring(
+                list(ctx.members), len(joiners), stopping, ctx.ever_had_state, ctx.limits, ctx.drain):
             return (yield from self._form(ctx, joiners, decisions.ReformDecision(Step.FORM), prompt=True))
         if decision.step is Step.WAIT:
             if stopping and decisions.stop_overdue(ctx.stop_age_s, ctx.limits):

@@ -140,7 +140,8 @@ class RingWorker:
         waiting = self._rendezvous.waiting if self._rendezvous is not None else None
         synced = self._rendezvous is not None and self._rendezvous.holds_state
         beat = {"seq": self._beats, "synced": synced, "waiting": waiting[0] if waiting else 0,
-                "reason": waiting[1] if waiting else None}
+                "reason": waiting[1] if waiting else None,
+                "asked": self._rendezvous.generation if self._rendezvous is not None else 0}
         with self._beat_lock:
             tick = self._node_tick(beat)
             if tick.direct:
