@@ -62,7 +62,7 @@ class _Scenario:
         total = n + RESERVE
         self.order = [f"{i:08x}" for i in range(total)]
         self.nodes = {wid: f"{i // PER_NODE:056x}" for i, wid in enumerate(self.order)}
-        procs = max(2, min(8, math.ceil(total / 128)))
+        procs = opts.get("sim_procs") or max(2, min(8, math.ceil(total / 128)))
         ctx = mp.get_context("spawn")
         self.events: Any = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(procs)]

@@ -1,7 +1,7 @@
 """The control plane at N workers: the real driver and the real store against N simulated workers.
 
     python -m benchmarks.control_plane [--workers 16 64] [--steady-s 4] [--profile DIR]
-    python -m benchmarks.control_plane --workers 32 128 512 1024
+    python -m benchmarks.control_plane --workers 32 128 512 1024 [--sim-procs P]   (P processes host the simulated workers)
     python -m benchmarks.control_plane --workers 32 128 512 --heartbeats worker   (or node; default auto)
     python -m benchmarks.control_plane --costs 32 128 512 1024   (the driver's pieces, one process)
     python -m benchmarks.control_plane --burst 128 512 1024   (a loss's re-form by the driver alone)
@@ -143,6 +143,9 @@ def main() -> None:
     parser.add_argument("--sim-nice", type=int, default=10,
                         help="the simulated workers' processes' niceness: in a job the workers run on other machines "
                              "than the driver; 0 makes them compete with the driver for this machine's cores")
+    parser.add_argument("--sim-procs", type=int, default=0,
+                        help="processes hosting the simulated workers (default 0: one per 128 workers, 2 to 8); each "
+                             "worker's receiving thread shares its process's GIL with the others there")
     parser.add_argument("--profile", metavar="DIR", help="cProfile the driver's loop thread; dump DIR/driver-N.prof")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one N may take")
     parser.add_argument("--costs", type=int, nargs="+", metavar="N",
@@ -178,11 +181,13 @@ def main() -> None:
                      "for the replacements)")
     if not 0 <= args.sim_nice <= 19:
         parser.error("--sim-nice must be between 0 and 19")
+    if not 0 <= args.sim_procs <= 64:
+        parser.error("--sim-procs must be between 1 and 64 (or 0: the default)")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     opts = {"steady_s": args.steady_s, "interval_s": args.interval_s, "report_hz": args.report_hz,
             "heartbeat_timeout_s": args.heartbeat_timeout_s, "heartbeats": args.heartbeats,
-            "losses": args.losses, "sim_nice": args.sim_nice,
+            "losses": args.losses, "sim_nice": args.sim_nice, "sim_procs": args.sim_procs,
             "profile": args.profile, "timeout_s": args.timeout_s}
     rows: dict[int, dict[str, float]] = {}
     failed = False

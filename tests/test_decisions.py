@@ -188,8 +188,6 @@ H = dict(silent_s=0.2, has_state=True)  # heard within suspect_after_s (1.5 s he
     ([M("a", **H), M("c", dead=True)], 1, False, None, True),    # a joiner makes two
     ([M("a", silent_s=0.2), M("b", silent_s=0.2), M("c", dead=True)], 0, False, None, False),  # no holder left
     ([M("c", dead=True)], 2, False, None, False),                # no survivor
-    # b's heartbeats say it still waits for its last answer (lost, or on its way): that one must stay resendable
-    ([M("a", **H), M("b", awaits_answer=True, **H), M("c", dead=True)], 0, False, None, False),
 ])
 def test_a_loss_is_answered_before_the_survivors_ask_only_when_its_cause_and_outcome_are_known(
         members, joiners, stop, drain, prompt):

@@ -19,9 +19,13 @@ from tests.sim_driver import job  # noqa: F401  (the fixture)
 from tests.test_trainer_ray import check_invariant
 
 
+def _channel(j, worker_id: str) -> Channel:
+    return Channel(j.server.connect(10.0), j.secret, worker_id, replay_window=REPLAY_WINDOW)
+
+
 def _queue(j, worker_id: str, until) -> list[dict]:
     """The messages in ``worker_id``'s queue (read as its mailbox would), up to the first that ``until`` accepts."""
-    channel, got = Channel(j.server.connect(10.0), j.secret, worker_id, replay_window=REPLAY_WINDOW), []
+    channel, got = _channel(j, worker_id), []
     while not got or not until(got[-1]):
         msg = channel.receive(j.keys.worker_inbox(worker_id), 5.0)
         assert msg is not None, f"{worker_id}'s queue ended after {[(m['k'], m.get('generation')) for m in got]}"
@@ -139,25 +143,32 @@ def test_a_survivor_that_asked_already_is_answered_for_its_request_and_one_await
     j.message(survivors[1], asked=2)
     j.wait(lambda: j.pool.records[survivors[1]].expected == 0, "confirmed by a heartbeat")
 
-    # a survivor whose heartbeats say it still waits for the answer it was sent (lost on its way): no ring is given
-    # ahead (that answer is sent again as long as it is its newest); the ring forms once the survivors ask
-    ring = j.driver.ring
-    for w in survivors:
-        j.message(w, WorkerKind.RING_REQUEST, generation=2, reason="failure")
-    j.message(survivors[0], waiting=2, reason="failure")
-    j.wait(lambda: j.pool.records[survivors[0]].awaits == 2, "its heartbeat applied")
-    for w in survivors[1:]:
-        j.message(w)
-    j.wakeups.put(("ray", [("dead", survivors[2])]))
-    j.wait(lambda: isinstance(j.state, Reforming), "the re-form")
-    time.sleep(0.3)
-    assert j.driver.ring is ring
-    j.message(survivors[1], WorkerKind.RING_REQUEST, generation=3, reason="failure")
-    j.message(survivors[0], WorkerKind.RING_REQUEST, generation=3, reason="failure")  # it got its answer at last
-    j.wait(lambda: j.driver.ring is not ring and any(e.kind == "recovered" and e.round_id == j.driver.ring.round_id
-                                                       for e in j.driver.events.events), "the ring after the requests")
-    formed = next(e for e in j.driver.events.events if e.kind == "ring_formed" and e.round_id == j.driver.ring.round_id)
-    assert "prompt" not in formed.detail and list(j.driver.ring.worker_ids) == survivors[:2]
+
+
+def test_an_answer_lost_before_the_loss_is_sent_again_after_the_ring_given_ahead(job):
+    # its answer for generation 1 never came: its heartbeats say it still waits for it when a peer dies; the ring
+    # given ahead replaces that answer on the driver, which still sends the lost one again while the worker waits
+    # for it (its round was aborted: its formation fails at once and it asks for generation 2, waiting in its queue)
+    j = job(4, inbox=True, min_workers=2, heartbeat_interval_s=0.2)
+    j.running()
+    w = j.order[0]
+    _, survivors = _lose_last(j)
+    assert j.pool.records[w].expected == 2
+    deadline = time.monotonic() + 10
+    got, seen_abort, resent = _channel(j, w), False, None
+    while resent is None:
+        assert time.monotonic() < deadline, "the lost answer was not sent again"
+        j.message(w, waiting=1, reason="start")  # its heartbeat: still waiting for generation 1
+        msg = got.receive(j.keys.worker_inbox(w), 0.2)
+        if msg is None:
+            continue
+        seen_abort = seen_abort or msg["k"] == "abort"
+        if seen_abort and msg["k"] == "ring" and msg["generation"] == 1:
+            resent = msg
+    assert resent["spec"]["round_id"] == 1  # the aborted round's answer, as it was
+    j.message(w, WorkerKind.RING_REQUEST, generation=2, reason="failure")  # its formation failed: it asks
+    j.wait(lambda: j.pool.records[w].expected == 0 and j.pool.records[w].previous is None, "its request applied")
+    assert j.driver.ring.round_id == 2 and isinstance(j.state, Running)
 
 
 def test_a_member_reported_returned_before_its_queued_request_is_read_is_no_reason_to_re_form(job):

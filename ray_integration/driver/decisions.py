@@ -217,8 +217,7 @@ def prompt_ring(members: list[MemberView], joiners: int, stop: bool, ever_had_st
     behind the round's abort (the answer waits in its queue for the request its failed collective makes). Only
     when the driver knows the cause and the outcome: a member is dead; every other one is alive, neither
     returned nor leaving, and either asked already or was heard within ``suspect_after_s`` (presumed on its way
-    to the rendezvous) and is not still waiting for its last answer (one that got lost is sent again only while
-    it is the worker's newest); no stop and no drain is in progress; and the ring it would form once all of them asked
+    to the rendezvous); no stop and no drain is in progress; and the ring it would form once all of them asked
     is an ordinary one (:func:`reform_decision` says FORM, neither keeping leavers nor resuming a checkpoint).
     It saves the survivors' requests' trip through the driver's inbox (1,023 of them at 1,024 workers). Should a
     survivor not come after all, the ring it was given fails to form or is aborted like any other
@@ -226,7 +225,7 @@ def prompt_ring(members: list[MemberView], joiners: int, stop: bool, ever_had_st
     if stop or drain is not None or not any(m.dead for m in members):
         return False
     alive = [m for m in members if m.alive]
-    if not alive or any(m.finished or m.leaving or m.awaits_answer for m in alive) or not all(
+    if not alive or any(m.finished or m.leaving for m in alive) or not all(
             m.waiting is not None or m.silent_s is not None and m.silent_s <= limits.suspect_after_s for m in alive):
         return False
     asked = [m._replace(waiting=m.waiting or "failure") for m in members]

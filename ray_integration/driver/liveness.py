@@ -26,7 +26,6 @@ class MemberView(NamedTuple):
     silent_s: float | None = None  # since its heartbeat counter last advanced (driver clock); None: no beat yet
     leave_in_s: float | None = None  # leaving: time left before its node's drain deadline (None: no deadline known)
     unasked: bool = False        # answered with a ring before it asked for one (decisions.prompt_ring), not yet asked
-    awaits_answer: bool = False  # its heartbeats say it still waits for the answer it was sent (lost, or on its way)
 
     @property
     def alive(self) -> bool:

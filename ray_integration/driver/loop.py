@@ -70,6 +70,7 @@ class Driver:
         self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
         self.preemption = Preemption()         # what the ring's members were last told of their nodes' drains
         self.prompted = False                  # the current ring was answered before its members asked
+        self.returned_unasked: dict[str, float] = {}  # members seen returned before asking for their ring: since
         # how far behind this loop reads its inbox: the workers' silence is judged net of it
         self.inbox = InboxProbe(pool.send, pool.keys.driver_inbox, config.heartbeat_interval_s,
                                 lost_after_s=config.heartbeat_timeout_s)
@@ -106,10 +107,13 @@ class Driver:
         records = self.pool.records.values()
         members = self.members()
         views = tuple(r.view(now) for r in members)
-        if any(v.unasked and v.finished for v in views) and self.pool.inbox_backlog():
-            # fn returned on a member given a ring before it asked; its request may still wait in the inbox, read
-            # after Ray's word: judge once the inbox has caught up
-            views = tuple(v._replace(unasked=False) for v in views)
+        if any(v.unasked and v.finished for v in views):
+            # fn returned on a member given a ring before it asked; the request it sent before it returned may still
+            # be on its way through the inbox, which Ray's word overtook: judge once a probe the driver sent itself
+            # after it saw the return has come back (everything queued before it has been read)
+            seen = [self.returned_unasked.setdefault(v.worker_id, now) for v in views if v.unasked and v.finished]
+            if self.inbox.read_up_to <= max(seen):
+                views = tuple(v._replace(unasked=False) for v in views)
         raised = tuple(UserError(r.worker_id, r.node_id, r.user_error) for r in records
                        if r.user_error is not None and r.worker_id not in self.dropped)
         return Context(

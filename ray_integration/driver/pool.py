@@ -103,6 +103,9 @@ class WorkerPool:
         if not record.waiting:
             record.generation += 1
             record.reason, record.expected = reason, record.generation
+            # the answer it had may have been lost on its way: sent again while its heartbeats say it waits for it
+            # (its round was aborted: the worker's formation of it fails at once and it asks for this one)
+            record.previous = record.answer
 
     def stop(self, record: WorkerRecord, why: str) -> None:
         """Answer a waiting worker with stop: its run returns (it leaves the job)."""
@@ -252,20 +255,21 @@ class WorkerPool:
         # (Counting a worker heard again after a gap as news would make every heartbeat news once the driver falls
         # behind its inbox, which hands them over in bursts: a step per message again, and further behind.)
         changed = False
+        waiting = msg.get("waiting")
         if isinstance(msg.get("seq"), int) and msg["seq"] > record.beat_seq:
             record.beat_seq, record.beat_at, record.heard_at = msg["seq"], now, now
             record.unheard, record.probe_ref = 0, None
         if msg.get("synced") is True:
             record.has_state = True
-        waiting = msg.get("waiting")
-        record.awaits = waiting if isinstance(waiting, int) and waiting > 0 else 0
         if record.expected and isinstance(msg.get("asked"), int):
             self._confirm(record, msg["asked"], now)  # (its request may be lost: its heartbeats say it asked)
         if isinstance(waiting, int) and waiting > 0:
             changed = self._note_request(record, waiting, msg.get("reason"), now) or changed
-            if waiting == record.answered and record.answer is not None and now - record.answered_at > \
+            lost = record.answer if waiting == record.answered else \
+                record.previous if record.previous is not None and waiting == record.previous["generation"] else None
+            if lost is not None and now - record.answered_at > \
                     resend_after_s(self.config.heartbeat_interval_s, self.inbox_delay_s, record.resends):
-                self._deliver(record, dict(record.answer))  # the answer got lost: send it again
+                self._deliver(record, dict(lost))  # the answer got lost: send it again
                 record.answered_at, record.resends = now, record.resends + 1
         return changed
 
@@ -345,7 +349,7 @@ class WorkerPool:
         worker's queue: a resend is due from now on, not from when the driver answered)."""
         if generation < record.expected:
             return False
-        asked, record.expected = generation == record.expected, 0
+        asked, record.expected, record.previous = generation == record.expected, 0, None
         if asked:
             record.answered_at = now
         return asked

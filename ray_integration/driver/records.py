@@ -27,7 +27,7 @@ class WorkerRecord:
     reason: str | None = None
     answered: int = 0               # the generation the driver last answered
     expected: int = 0               # a generation answered before the worker asked for it (0: none pending)
-    awaits: int = 0                 # the generation its last heartbeat said it waits for (0: none)
+    previous: dict | None = None    # the answer before one given ahead (expected), until the worker asks
     answer: dict | None = None      # that answer (sent again if it got lost)
     answered_at: float = 0.0
     resends: int = 0                # times that answer was sent again since (each waits twice as long)
@@ -72,8 +72,7 @@ class WorkerRecord:
         return MemberView(self.worker_id, dead, self.finished,
                           self.reason if not dead and self.generation > self.answered else None, self.leaving,
                           self.has_state, None if beat_at is None else max(0.0, now - beat_at - inbox_delay_s),
-                          None if leave_by is None else leave_by - now, self.expected > 0,
-                          not dead and 0 < self.awaits == self.answered)
+                          None if leave_by is None else leave_by - now, self.expected > 0)
 
 
 @dataclass
