@@ -164,14 +164,16 @@ def test_a_membership_re_form_that_loses_a_member_waits_for_the_requests_it_sent
 
 def test_a_ring_given_ahead_that_fails_to_form_with_nobody_lost_is_the_same_failure_counted_once():
     waiting = (M("a", waiting="failure", has_state=True), M("c", silent_s=0.1))
-    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=waiting, ever_had_state=True, prompted=True))
+    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=waiting, ever_had_state=True, prompt_age_s=31.0))
     assert "CountFailure" not in kinds(actions)
     lost = (M("a", waiting="failure", has_state=True), M("c", dead=True))
-    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=lost, ever_had_state=True, prompted=True,
+    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=lost, ever_had_state=True, prompt_age_s=31.0,
                                                               unreported_losses=("c",)))
     assert "CountFailure" in kinds(actions)  # a new loss
     actions, _ = drive(Reforming("failure", since=99.0), ctx(members=waiting, ever_had_state=True))
     assert "CountFailure" in kinds(actions)  # an ordinary ring's failure
+    actions, _ = drive(Reforming("failure", since=99.0), ctx(members=waiting, ever_had_state=True, prompt_age_s=3600.0))
+    assert "CountFailure" in kinds(actions)  # a ring given ahead that formed and trained for an hour
 
 
 def test_reforming_fails_when_failures_exceed_max_failures():

@@ -188,3 +188,33 @@ def test_a_member_reported_returned_before_its_queued_request_is_read_is_no_reas
     j.wait(lambda: j.pool.records[survivors[0]].expected == 0, "its request read")
     time.sleep(0.3)
     assert isinstance(j.state, Running) and j.driver.ring is ring
+
+
+def test_a_rendezvous_waiting_for_a_lost_answer_keeps_the_one_given_ahead(job):
+    # its answer for generation 1 was lost: the real rendezvous waits for it, reads the ring given ahead for
+    # generation 2 meanwhile and keeps it, gets generation 1 again (its heartbeats), then finds 2 at once
+    j = job(4, inbox=True, min_workers=2, heartbeat_interval_s=0.2)
+    j.running()
+    worker = j.order[0]
+    assert _queue(j, worker, until=lambda m: m["k"] == "ring")[-1]["generation"] == 1  # (taken: lost)
+    box = Mailbox(_channel(j, worker), j.keys.worker_inbox(worker), {k: (lambda m: None) for k in NOTICE_HANDLERS})
+    box.start()
+    try:
+        rendezvous = WorkerRendezvous(j.senders[worker], box, j.keys, worker, j.secret, silence_s=10.0)
+        _lose_last(j)
+        assert j.pool.records[worker].expected == 2
+        first: list = []
+        waiting = __import__("threading").Thread(target=lambda: first.append(rendezvous.next_ring("start")))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not first:
+            assert time.monotonic() < deadline, "generation 1 was not sent again"
+            j.message(worker, waiting=1, reason="start", asked=1)  # its heartbeat while it waits
+            time.sleep(0.1)
+        waiting.join(5)
+        assert first[0].round_id == 1  # the aborted round's answer: its formation would fail at once
+        took = time.monotonic()
+        spec = rendezvous.next_ring("failure")
+        assert spec.round_id == j.driver.ring.round_id == 2 and time.monotonic() - took < 0.5
+    finally:
+        box.close()

@@ -67,7 +67,7 @@ class Context:
     start_diagnosis: str | None = None       # set by DiagnoseStart: why fewer than min_workers started
     raised: tuple[UserError, ...] = ()       # every worker whose fn raised, not dropped yet, oldest first
     dropped: Mapping[str, UserError] = field(default_factory=dict)  # members dropped because fn raised (replace)
-    prompted: bool = False                   # the current ring was answered before its members asked (prompt_ring)
+    prompt_age_s: float | None = None        # since the current ring was answered before its members asked (None: not)
 
 
 # ---------------------------------------------------------------- actions: what a state asks the loop to do

@@ -69,8 +69,8 @@ class Driver:
         self.start_diagnosis: str | None = None
         self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
         self.preemption = Preemption()         # what the ring's members were last told of their nodes' drains
-        self.prompted = False                  # the current ring was answered before its members asked
-        self.returned_unasked: dict[str, float] = {}  # members seen returned before asking for their ring: since
+        self.prompted_at: float | None = None  # when the current ring was answered before its members asked
+        self.returned_unasked: dict[str, float] = {}  # members seen returned before asking for their ring: when
         # how far behind this loop reads its inbox: the workers' silence is judged net of it
         self.inbox = InboxProbe(pool.send, pool.keys.driver_inbox, config.heartbeat_interval_s,
                                 lost_after_s=config.heartbeat_timeout_s)
@@ -132,7 +132,8 @@ class Driver:
             returned_early=tuple(r.worker_id for r in records if r.finished and not r.in_ring and r.user_error is None),
             ever_had_state=any(r.has_state for r in records), checkpoint=self.resumable_checkpoint(),
             drain=self.drain_view(members, now), start_diagnosis=self.start_diagnosis,
-            write_landing=self.pool.persists.landing(self._working), prompted=self.prompted)
+            write_landing=self.pool.persists.landing(self._working),
+            prompt_age_s=None if self.prompted_at is None else now - self.prompted_at)
 
     def resumable_checkpoint(self) -> str | None:
         """The newest checkpoint the job would resume from: its state's, or (``write_on_notice=False``: a Ray Train
@@ -339,7 +340,7 @@ class Driver:
         if persist:
             left = [x for x in (r.leave_in_s(time.monotonic()) for r in chosen) if x is not None]
             within_s = min(left) if left else None
-        parent, self.prompted = self.ring, prompt
+        parent, self.prompted_at = self.ring, time.monotonic() if prompt else None
         self.ring = form_ring([Member(r.worker_id, r.node_id, r.joined_seq, r.has_state) for r in chosen], self.round_id)
         records = [self.pool.records[w] for w in self.ring.worker_ids]
         specs = ring_specs(self.ring, parent, self.config.nccl_reform == "shrink_grow",

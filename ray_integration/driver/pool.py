@@ -102,10 +102,12 @@ class WorkerPool:
         generation that request will carry (:func:`.decisions.prompt_ring`). A waiting record already asked."""
         if not record.waiting:
             record.generation += 1
-            record.reason, record.expected = reason, record.generation
             # the answer it had may have been lost on its way: sent again while its heartbeats say it waits for it
-            # (its round was aborted: the worker's formation of it fails at once and it asks for this one)
-            record.previous = record.answer
+            # (its round was aborted: the worker's formation of it fails at once and it asks for the next one). Given
+            # ahead twice before it asked: the one it had before the first stays the one it may still wait for.
+            if not record.expected:
+                record.previous = record.answer
+            record.reason, record.expected = reason, record.generation
 
     def stop(self, record: WorkerRecord, why: str) -> None:
         """Answer a waiting worker with stop: its run returns (it leaves the job)."""
@@ -351,7 +353,7 @@ class WorkerPool:
             return False
         asked, record.expected, record.previous = generation == record.expected, 0, None
         if asked:
-            record.answered_at = now
+            record.answered_at, record.resends = now, 0
         return asked
 
     def apply_ray(self, refs: list[Any]) -> None:

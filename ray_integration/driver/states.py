@@ -25,7 +25,7 @@ from .context import (
     PollDrains, RepeatNotices, ReportLost, RequestCapacity, RequestPersist, StopWaiting, StopWorkers, event,
 )
 from .pacing import notice_repeat_due
-from .decisions import ErrorStep, MemberView, Outcome, StartFailureKind, Step
+from .decisions import STUCK_GRACE_S, ErrorStep, MemberView, Outcome, StartFailureKind, Step
 
 #: Without max_workers ready, start once no new worker became ready for this long.
 START_GRACE_S = 2.0
@@ -301,8 +301,10 @@ class Reforming(DriverState):
         if lost:
             ctx = yield ReportLost(lost)
         # A death at a membership change counts too; a ring given ahead of the survivors' requests that failed to
-        # form with nobody lost since (a survivor slow to come) is the same failure, counted once.
-        same_failure = ctx.prompted and not any(m.dead for m in ctx.members)
+        # form with nobody lost since (a survivor slow to come: the others' formation timed out) is the same
+        # failure, counted once.
+        same_failure = ctx.prompt_age_s is not None and not any(m.dead for m in ctx.members) and \
+            ctx.prompt_age_s <= ctx.limits.connect_timeout_s + STUCK_GRACE_S + ctx.limits.heartbeat_interval_s
         if (self.reason == "failure" or lost) and not self.counted and not same_failure:
             self.counted = True
             ctx = yield CountFailure()

@@ -7,7 +7,7 @@ is a real directory (not a symlink: ``lstat``) of this user with mode 0o700, che
 deleted there: a stranger on the host can neither read the beats nor point them, or the clean-up, elsewhere.
 
 * every worker, every heartbeat interval, writes its heartbeat (what its ``hb`` would carry: ``seq``, ``synced``,
-  ``waiting``, ``reason``) to its own file ``<worker id>.beat``, sealed with the job's secret under a name that
+  ``waiting``, ``reason``, ``asked``) to its own file ``<worker id>.beat``, sealed with the job's secret under a name that
   binds the job and the worker id, atomically (a temporary file, then ``os.replace``);
 * one of them forwards: the one that holds ``leader.lock`` (a ``filelock.FileLock``, ``flock(2)``: the kernel
   releases it when the holder's process dies). Every other worker tries to take it, without waiting, on each of

@@ -37,6 +37,7 @@ class WorkerRendezvous:
         self.cuda_device: int | None = None  # this worker's GPU (NCCL rings), put into every spec
         self._synced_rounds: set[int] = set()
         self._handover_round: int | None = None  # a round whose members re-form right after its sync
+        self._ahead: dict[int, dict] = {}  # answers for a generation it has not asked for yet (given ahead), read
         #: called with the first ring spec the driver hands this worker (before that ring forms), once
         self.on_first_ring: Callable[[er.RingSpec], None] | None = None
 
@@ -52,24 +53,16 @@ class WorkerRendezvous:
 
     def _await_answer(self, generation: int, reason: str) -> er.RingSpec:
         deadline = time.monotonic() + self._silence_s
+        self._ahead = {g: m for g, m in self._ahead.items() if g >= generation}
         while True:
-            try:
-                msg = self._mailbox.next(max(0.0, deadline - time.monotonic()))
-            except NoticeFailed as exc:  # (the mailbox reported it to the driver too)
-                raise er.RendezvousError(f"worker {self._id}: its mailbox stopped reading while waiting for ring "
-                                         f"{generation} ({reason}): {exc}") from exc
-            except (RuntimeError, OSError) as exc:
-                raise er.RendezvousError(f"worker {self._id} lost the driver's rendezvous store while waiting for "
-                                         f"ring {generation} ({reason}): {exc}; the driver process probably "
-                                         "ended") from exc
-            except Exception as exc:  # any other end of its reading (e.g. a reader that could not be replaced)
-                raise er.RendezvousError(f"worker {self._id}: its mailbox stopped reading while waiting for ring "
-                                         f"{generation} ({reason}): {type(exc).__name__}: {exc}") from exc
-            if msg is None:
-                raise er.RendezvousError(
-                    f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
-                    f"while waiting for ring {generation} ({reason}); the driver is stuck or its messages are lost")
-            if msg.get("generation") != generation or msg.get("from") != DRIVER:
+            # (an answer given ahead may have been read while this worker waited for an earlier one that got lost)
+            msg = self._ahead.pop(generation, None) or self._read(generation, reason, deadline)
+            if msg.get("from") != DRIVER or not isinstance(msg.get("generation"), int):
+                continue
+            if msg["generation"] > generation and DriverKind.of(msg) in (DriverKind.RING, DriverKind.STOP):
+                self._ahead[msg["generation"]] = msg  # given ahead of a request it has not made yet: kept for it
+                continue
+            if msg["generation"] != generation:
                 continue  # an answer to an earlier request
             kind = DriverKind.of(msg)
             if kind is DriverKind.PENDING:
@@ -96,6 +89,27 @@ class WorkerRendezvous:
             if first is not None:
                 first(spec)
             return spec
+
+    def _read(self, generation: int, reason: str, deadline: float) -> dict:
+        """The mailbox's next answer; :class:`~elastic_ring.RendezvousError` when the driver fell silent until
+        ``deadline`` or the mailbox stopped reading."""
+        try:
+            msg = self._mailbox.next(max(0.0, deadline - time.monotonic()))
+        except NoticeFailed as exc:  # (the mailbox reported it to the driver too)
+            raise er.RendezvousError(f"worker {self._id}: its mailbox stopped reading while waiting for ring "
+                                     f"{generation} ({reason}): {exc}") from exc
+        except (RuntimeError, OSError) as exc:
+            raise er.RendezvousError(f"worker {self._id} lost the driver's rendezvous store while waiting for "
+                                     f"ring {generation} ({reason}): {exc}; the driver process probably "
+                                     "ended") from exc
+        except Exception as exc:  # any other end of its reading (e.g. a reader that could not be replaced)
+            raise er.RendezvousError(f"worker {self._id}: its mailbox stopped reading while waiting for ring "
+                                     f"{generation} ({reason}): {type(exc).__name__}: {exc}") from exc
+        if msg is None:
+            raise er.RendezvousError(
+                f"worker {self._id}: no word from the driver for {self._silence_s:.0f} s (heartbeat_timeout_s) "
+                f"while waiting for ring {generation} ({reason}); the driver is stuck or its messages are lost")
+        return msg
 
     @property
     def holds_state(self) -> bool:
