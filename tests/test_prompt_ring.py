@@ -6,6 +6,7 @@ rendezvous."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from ray_integration import ElasticTrainer
@@ -204,7 +205,7 @@ def test_a_rendezvous_waiting_for_a_lost_answer_keeps_the_one_given_ahead(job):
         _lose_last(j)
         assert j.pool.records[worker].expected == 2
         first: list = []
-        waiting = __import__("threading").Thread(target=lambda: first.append(rendezvous.next_ring("start")))
+        waiting = threading.Thread(target=lambda: first.append(rendezvous.next_ring("start")))
         waiting.start()
         deadline = time.monotonic() + 10
         while not first:
