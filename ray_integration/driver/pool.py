@@ -263,8 +263,7 @@ class WorkerPool:
             record.unheard, record.probe_ref = 0, None
         if msg.get("synced") is True:
             record.has_state = True
-        if record.expected and isinstance(msg.get("asked"), int):
-            self._confirm(record, msg["asked"], now)  # (its request may be lost: its heartbeats say it asked)
+        self._confirm(record, msg.get("asked"), now)  # (its request may be lost: its heartbeats say it asked)
         if isinstance(waiting, int) and waiting > 0:
             changed = self._note_request(record, waiting, msg.get("reason"), now) or changed
             lost = record.answer if waiting == record.answered else \
@@ -330,10 +329,9 @@ class WorkerPool:
         return True
 
     def _note_request(self, record: WorkerRecord, generation: Any, reason: Any, now: float) -> bool:
-        """Note a ring request; True if it was a new one. The request for a ring answered in advance
-        (:meth:`expect`) is no news: its answer waits in the worker's queue (a resend is due from now on, not from
-        when the driver answered)."""
-        if record.expected and isinstance(generation, int) and self._confirm(record, generation, now):
+        """Note a ring request; True if it was a new one. The request for a ring answered in advance is no news
+        (:meth:`_confirm`)."""
+        if self._confirm(record, generation, now):
             return False
         if isinstance(generation, int) and generation > record.generation and \
                 reason in ("start", "failure", "membership"):
@@ -345,11 +343,11 @@ class WorkerPool:
         return False
 
     @staticmethod
-    def _confirm(record: WorkerRecord, generation: int, now: float) -> bool:
+    def _confirm(record: WorkerRecord, generation: Any, now: float) -> bool:
         """The worker asked for ``generation``: an answer given before it asked (:meth:`expect`) is asked for now, or
         was passed by a later request. Returns whether it was that very generation (its answer waits in the
         worker's queue: a resend is due from now on, not from when the driver answered)."""
-        if generation < record.expected:
+        if not record.expected or not isinstance(generation, int) or generation < record.expected:
             return False
         asked, record.expected, record.previous = generation == record.expected, 0, None
         if asked:
