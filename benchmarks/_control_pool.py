@@ -6,7 +6,8 @@ stops, the inbox backlog: all inherited, unchanged), with the methods that talk 
 * ``request`` starts idle simulated workers (already connected, in the worker processes) instead of creating
   actors, and hands the driver their "actor started" completion at once (Ray would after the actor's start), or,
   while the scenario holds them (:attr:`SimPool.hold`: no room in the cluster), when it releases them;
-* ``apply_ray`` reads the scenario's completions (``("info" | "dead" | "return", worker id)``) instead of
+* ``apply_ray`` reads the scenario's completions (``("info" | "dead", worker id)``, ``("return", worker id, the
+  generation it last asked a ring for)``) instead of
   ``ray.get`` on object refs; ``watched_refs`` is empty (nothing for the Ray watcher to wait on);
 * ``notify``, ``tell_preemption`` and ``abort_round`` are the real pool's: sealed pushes into each worker's queue,
   which a real worker's mailbox thread reads (``notify`` also notes when a round's last notice was pushed);
@@ -27,7 +28,7 @@ from typing import Any, Callable
 from ray_integration.driver.decisions import Probe
 from ray_integration.driver.pool import WorkerPool
 from ray_integration.driver.records import WorkerRecord
-from ray_integration.wire.protocol import WorkerKind
+from ray_integration.wire.protocol import Returned, WorkerKind
 
 
 class SimPool(WorkerPool):
@@ -80,7 +81,7 @@ class SimPool(WorkerPool):
         return []
 
     def apply_ray(self, refs: list[Any]) -> None:
-        for what, wid in refs:
+        for what, wid, *asked in refs:  # ("return", wid, asked): and the generation it last asked a ring for
             record = self.records.get(wid)
             if record is None:
                 continue
@@ -91,13 +92,14 @@ class SimPool(WorkerPool):
             elif what == "dead" and not record.dead:
                 record.dead, record.cause = True, "process lost: ActorDiedError (simulated)"
             elif what == "return":
-                record.value, record.finished = None, True
+                self._returned(record, Returned(None, *asked))
 
-    def notify(self, records: list[WorkerRecord], round_id: int, change: bool = False, persist: bool = False,
-               stop: bool = False, persist_id: int = 0, within_s: float | None = None) -> None:
-        super().notify(records, round_id, change=change, persist=persist, stop=stop, persist_id=persist_id,
-                       within_s=within_s)
+    def notify(self, records: list[WorkerRecord], round_id: int, **fields: Any) -> None:
+        super().notify(records, round_id, **fields)
         self.notified_at[round_id] = time.time()
+
+    def free_slot(self, record: WorkerRecord) -> None:
+        pass  # a simulated worker holds no resources
 
     def probe(self, record: WorkerRecord, now: float) -> Probe:
         return Probe.UNANSWERED if record.dead else Probe.ANSWERED

@@ -106,8 +106,8 @@ class _Scenario:
                 self.formed.setdefault(round_id, {})[wid] = value
             elif kind == "notice":
                 self.notices.setdefault(round_id, {})[wid] = value
-            elif kind == "returned":
-                wakeups.put(("ray", [("return", wid)]))
+            elif kind == "returned":  # (value: the generation it last asked for)
+                wakeups.put(("ray", [("return", wid, value)]))
             elif kind == "counts":
                 self._counts.put(value)
             elif kind == "form_failed":

@@ -169,11 +169,16 @@ class WorkerHost:
             if beats_root is not None:  # heartbeats="node"
                 self.workers[wid].node_beats = NodeBeats(job, node, wid, secret, interval_s, root=beats_root)
         self._stop = threading.Event()
+        # workers told to re-form at their next commit, with when they reach it (in order: all a step later). One
+        # thread asks for them all: a real worker starts no thread for a notice, and a thread started per notice
+        # here (each start waits for the new thread to run) made 1,024 simulated workers read a notice in 1.6 s
+        self._later: "queue.SimpleQueue[tuple[float, SimWorker]]" = queue.SimpleQueue()
 
     # ------------------------------------------------------------ threads
     def start_threads(self) -> None:
         for w in self.workers.values():
             threading.Thread(target=self._receive_loop, args=(w,), daemon=True).start()
+        threading.Thread(target=self._later_loop, daemon=True).start()
         threading.Thread(target=self._beat_loop, daemon=True).start()
         if self.report_hz > 0:
             threading.Thread(target=self._report_loop, daemon=True).start()
@@ -205,6 +210,12 @@ class WorkerHost:
             rest = cycle + self.interval_s - time.monotonic()
             if rest > 0:
                 self._stop.wait(rest)
+
+    def _later_loop(self) -> None:
+        while not self._stop.is_set():
+            due, w = self._later.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            self.request(w, "membership")
 
     def _beat(self, w: SimWorker, fields: dict) -> None:
         """What ``RingWorker._beat`` sends for one interval (its own ``hb``, or its node's as their forwarder)."""
@@ -244,8 +255,8 @@ class WorkerHost:
                 return
             if kind == DriverKind.NOTICE.value:
                 self.events.put(("notice", w.wid, msg.get("round"), time.time()))
-                if msg.get("change") or msg.get("stop"):
-                    threading.Timer(STEP_S, self.request, args=(w, "membership")).start()
+                if msg.get("change") or msg.get("stop"):  # it asks at its next commit, a step from now
+                    self._later.put((time.monotonic() + STEP_S, w))
                 continue
             if kind == DriverKind.PREEMPTION.value:
                 continue
@@ -258,7 +269,7 @@ class WorkerHost:
             if kind == DriverKind.STOP.value:
                 with w.lock:
                     w.alive, w.waiting = False, None
-                self.events.put(("returned", w.wid, None, time.time()))
+                self.events.put(("returned", w.wid, None, w.generation))
                 return
             if kind == DriverKind.RING.value:
                 self._form(w, msg)

@@ -123,6 +123,23 @@ def test_the_real_handlers_act_while_nobody_waits_for_a_ring(job):
     assert box.alive and box.next(0.05) is None  # notices are not answers
 
 
+def test_a_drains_notice_carries_its_preemption_notice_and_the_worker_applies_both_from_one_message(job):
+    pool, mailbox, *_ = job
+    membership.reset()
+    preemption.post(None)
+    seen = []
+    box = mailbox("w", {**NOTICE_HANDLERS, DriverKind.NOTICE: lambda msg: (seen.append(msg["k"]),
+                                                                            NOTICE_HANDLERS[DriverKind.NOTICE](msg))})
+    record = pool.records["w"]
+    pool.notify([record], 6, change=True, preemption={"seq": 9, "deadline_ms": 777, "nodes": {"node-2": [1]}})
+    _until(lambda: membership.pending(6).change)
+    assert preemption._local()["seq"] == 9 and preemption._local()["nodes"] == {"node-2": [1]}
+    assert seen == ["notice"]
+    pool.repeat_notices([record], 6)  # a repeat sends the notice and the newest preemption notice
+    _until(lambda: len(seen) == 2)
+    assert box.alive
+
+
 def test_answers_wait_for_the_rendezvous_and_notices_do_not_stand_in_their_way(job):
     pool, mailbox, server, secret, keys = job
     seen = []

@@ -37,13 +37,15 @@ from .pool import WorkerPool
 from .preemption import Preemption
 from .records import WorkerRecord
 from .states import DriverState, Starting
-from .watcher import RayWatcher
+from .watcher import DrainWatcher, RayWatcher
 
 #: The driver's timers (silence, deadlines, drains) are looked at least this often.
 TICK_S = 0.1
-#: How often the driver asks Ray which nodes are draining (a GCS call: 0.15 ms wall, 0.035 ms CPU on a local GCS;
-#: a drain notice reaches the workers at most this much later than Ray knew of it).
-DRAIN_POLL_S = 0.2
+#: How often the driver's drain watcher asks Ray which nodes are draining (a GCS call, 0.15 ms wall and 0.035 ms CPU
+#: on a local GCS, on the watcher's thread: :class:`~.watcher.DrainWatcher`); a drain reaches the loop at most this
+#: much later than Ray knew of it, and the loop steps at once. The loop looks again at least this often for workers
+#: that started on a node already draining.
+DRAIN_POLL_S = 0.1
 
 
 class Driver:
@@ -59,6 +61,7 @@ class Driver:
         self.draining: dict[str, int] = {}  # node id hex -> deadline ms, as of the last poll
         self.newly_draining: tuple[str, ...] = ()  # the workers the last poll of this tick marked leaving
         self.last_drain_poll = 0.0
+        self.reported_drains: dict[str, int] = {}  # the draining nodes as the drain watcher last reported them
         self.broken_at: list[float] = []  # when workers were killed as broken connections (decisions.others_heard)
         self.stop_reason: str | None = None   # set (e.g. by a SIGTERM handler): stop at the next commit
         self.stop_requested_at: float | None = None
@@ -69,8 +72,8 @@ class Driver:
         self.start_diagnosis: str | None = None
         self.dropped: dict[str, UserError] = {}  # members dropped because fn raised (worker_errors="replace")
         self.preemption = Preemption()         # what the ring's members were last told of their nodes' drains
+        self.preemption_due: dict | None = None  # a new preemption notice, not sent yet (goes at the step's end)
         self.prompted_at: float | None = None  # when the current ring was answered before its members asked
-        self.returned_unasked: dict[str, float] = {}  # members seen returned before asking for their ring: when
         # how far behind this loop reads its inbox: the workers' silence is judged net of it
         self.inbox = InboxProbe(pool.send, pool.keys.driver_inbox, config.heartbeat_interval_s,
                                 lost_after_s=config.heartbeat_timeout_s)
@@ -107,13 +110,6 @@ class Driver:
         records = self.pool.records.values()
         members = self.members()
         views = tuple(r.view(now) for r in members)
-        if any(v.unasked and v.finished for v in views):
-            # fn returned on a member given a ring before it asked; the request it sent before it returned may still
-            # be on its way through the inbox, which Ray's word overtook: judge once a probe the driver sent itself
-            # after it saw the return has come back (everything queued before it has been read)
-            seen = [self.returned_unasked.setdefault(v.worker_id, now) for v in views if v.unasked and v.finished]
-            if self.inbox.read_up_to <= max(seen):
-                views = tuple(v._replace(unasked=False) for v in views)
         raised = tuple(UserError(r.worker_id, r.node_id, r.user_error) for r in records
                        if r.user_error is not None and r.worker_id not in self.dropped)
         return Context(
@@ -175,7 +171,7 @@ class Driver:
                 self.form([records[w] for w in staying], [records[w] for w in joiners], reason, stop, handover, extra,
                           persist, prompt)
             case Notify():
-                self.pool.notify(self.members(), self.round_id, change=True)
+                self.pool.notify(self.members(), self.round_id, change=True, preemption=self._take_preemption())
                 return False
             case RepeatNotices():
                 self.pool.repeat_notices(self.members(), self.round_id)
@@ -185,7 +181,8 @@ class Driver:
                 if why == "drain":  # numbered: its write's events say that this commit was saved
                     persist_id = self.pool.persists.ask(final=change, round_id=self.round_id, now=time.monotonic())
                 self.pool.notify(self.members(), self.round_id, change=change, persist=True, stop=stop,
-                                 persist_id=persist_id, within_s=deadline_s if why == "drain" else None)
+                                 persist_id=persist_id, within_s=deadline_s if why == "drain" else None,
+                                 preemption=self._take_preemption())
                 self.events.add("persist_requested", self.round_id, self.world_size, why=why, deadline_s=deadline_s,
                                 **({"persist": persist_id, "final": change} if persist_id else {}))
             case AbortRound(why):
@@ -220,15 +217,16 @@ class Driver:
         return True
 
     def poll_drains(self) -> bool:
-        """Ask Ray which nodes drain (at most every DRAIN_POLL_S); mark the live workers there as leaving
-        (``newly_draining``). A drain deadline is Ray's wall-clock time: it is turned into time left once, here,
-        and kept on the driver's monotonic clock from then on. Returns whether what a Context shows changed."""
+        """Take the draining nodes the drain watcher reported (at once when they changed, else at most every
+        DRAIN_POLL_S); mark the live workers there as leaving (``newly_draining``). A drain deadline is Ray's
+        wall-clock time: it is turned into time left once, here, and kept on the driver's monotonic clock from then
+        on. Returns whether what a Context shows changed."""
         before = (self.newly_draining, self.draining)
         self.newly_draining = ()
-        if time.monotonic() - self.last_drain_poll < DRAIN_POLL_S:
+        if self.reported_drains is self.draining and time.monotonic() - self.last_drain_poll < DRAIN_POLL_S:
             return bool(before[0])
         now = self.last_drain_poll = time.monotonic()
-        self.draining = self.pool.draining_nodes()
+        self.draining = self.reported_drains
         by_node: dict[str, list[WorkerRecord]] = {}  # the newly leaving, grouped in one pass
         if self.draining:
             for r in self.pool.live():
@@ -253,10 +251,15 @@ class Driver:
 
     def tell_preemption(self) -> None:
         """Tell the ring's members which of its ranks are on draining nodes and the earliest deadline,
-        when that changed: what ``get_preemption_info()`` answers in ``fn``."""
+        when that changed: what ``get_preemption_info()`` answers in ``fn``. Sent at the end of the step
+        (:meth:`advance`), or with a notice the step sends its members (a drain's: :meth:`_take_preemption`)."""
         notice = self.preemption.notice(self.ring, self.pool.records, self.draining)
         if notice is not None:
-            self.pool.tell_preemption(self.members(), notice)
+            self.preemption_due = notice
+
+    def _take_preemption(self) -> dict | None:
+        notice, self.preemption_due = self.preemption_due, None
+        return notice
 
     def kill_silent(self, members: list[WorkerRecord], failure_age_s: float | None) -> bool:
         """Kill members the decisions condemn, and other workers silent past the heartbeat timeout (the same rule,
@@ -376,12 +379,17 @@ class Driver:
                     ctx = self.context()
                 action = steps.send(ctx)
         except StopIteration as done:
+            notice = self._take_preemption()
+            if notice is not None:  # not carried by a notice of this step
+                self.pool.tell_preemption(self.members(), notice)
             return done.value
 
     def run(self, on_tick: Callable[["Driver"], None] | None = None) -> DriverState:
         state: DriverState = Starting(since=time.monotonic())
         watcher = RayWatcher(self.pool, self.wakeups)
         watcher.start()
+        drains = DrainWatcher(self.pool.draining_nodes, self.wakeups, DRAIN_POLL_S)
+        drains.start()
         last = stepped = time.monotonic()
         relevant, step_s = True, 0.0
         try:
@@ -411,6 +419,7 @@ class Driver:
             return state
         finally:
             watcher.close()
+            drains.close()
 
     def _take_wakeups(self, timeout_s: float) -> bool:
         """Block until a message, a Ray completion or ``timeout_s``; then apply everything that arrived. Returns
@@ -432,6 +441,9 @@ class Driver:
                     relevant = self.pool.apply(payload) or relevant
             elif kind == "ray":
                 self.pool.apply_ray(payload)
+                relevant = True
+            elif kind == "drains":  # (DrainWatcher: the draining nodes changed)
+                self.reported_drains = payload
                 relevant = True
             elif kind == "error":
                 raise payload

@@ -22,7 +22,7 @@ from elastic_ring import shadowing
 from ..config import TrainerConfig
 from ..errors import WorkerError, WorkerGaveUp
 from ..wire.channel import Channel
-from ..wire.protocol import DriverKind, Keys, WorkerKind
+from ..wire.protocol import DriverKind, Keys, Returned, WorkerKind
 from ..wire.settings import WorkerSettings
 from ..worker.actor import RingWorker  # the one import of the worker side: the pool creates its actors
 from .decisions import Probe, StartFailureKind
@@ -121,15 +121,21 @@ class WorkerPool:
             self.stop(record, why)
 
     def notify(self, records: list[WorkerRecord], round_id: int, change: bool = False, persist: bool = False,
-               stop: bool = False, persist_id: int = 0, within_s: float | None = None) -> None:
+               stop: bool = False, persist_id: int = 0, within_s: float | None = None,
+               preemption: dict | None = None) -> None:
         """Tell ``records`` what round ``round_id`` must do at its next commit (``persist_id``: the driver's number
-        of the write it asks for, retried for ``within_s`` seconds)."""
+        of the write it asks for, retried for ``within_s`` seconds). ``preemption``: a new preemption notice for the
+        same members, carried by this message instead of one of its own (a drain's notice and its re-form request
+        reach each worker in one message: half the pushes and reads)."""
         fields: dict[str, Any] = {"round": round_id, "change": change, "persist": persist, "stop": stop}
         if persist_id:
             fields.update(persist_id=persist_id, within_s=within_s)
         if self._notices[0] != round_id:
             self._notices = (round_id, [])
         self._notices[1].append((time.monotonic(), fields))
+        if preemption is not None:
+            self._preemption = preemption
+            fields = {**fields, "preemption": preemption}
         self._tell([r for r in records if not r.dead], DriverKind.NOTICE, fields)
 
     def tell_preemption(self, records: list[WorkerRecord], notice: dict) -> None:
@@ -379,6 +385,18 @@ class WorkerPool:
             record.dead, record.cause = True, f"did not start: {type(exc).__name__}: {_first_lines(str(exc))}"
             self._note_start_failure(record, _start_failure(exc))
 
+    def _returned(self, record: WorkerRecord, returned: Returned) -> None:
+        """``fn`` returned on ``record``'s worker. A ring given before it asked was asked for after all if it reached
+        that generation (its request may still be on its way, or lost): only one it never asked for is ``unasked``."""
+        record.value, record.finished = returned.value, True
+        self._confirm(record, returned.asked, time.monotonic())
+        if record.leaving and not record.dead:  # it left its draining node: free the slot at once
+            self.free_slot(record)
+
+    def free_slot(self, record: WorkerRecord) -> None:
+        """End the actor of a worker that left the job (its node drains): its resources are free at once."""
+        ray.kill(record.actor, no_restart=True)
+
     def _note_start_failure(self, record: WorkerRecord, failure: tuple[StartFailureKind, str] | None) -> None:
         if failure is not None and record.start_kind is None:
             record.start_kind, record.start_error = failure
@@ -386,10 +404,7 @@ class WorkerPool:
 
     def _ended(self, record: WorkerRecord, ref: Any) -> None:
         try:
-            record.value = ray.get(ref)
-            record.finished = True
-            if record.leaving and not record.dead:  # it left its draining node: free the slot at once
-                ray.kill(record.actor, no_restart=True)
+            self._returned(record, ray.get(ref))
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, WorkerError):

@@ -1,10 +1,11 @@
-"""The driver's Ray watcher: a thread that wakes the driver loop when a worker's Ray task completes."""
+"""The driver's watchers of Ray: threads that wake the driver loop when a worker's Ray task completes
+(:class:`RayWatcher`) and when the set of draining nodes changes (:class:`DrainWatcher`)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -42,6 +43,44 @@ class RayWatcher:
             if not self._closing.is_set():
                 self._sink.put(("error", RuntimeError(f"watching the workers through Ray failed: "
                                                       f"{type(exc).__name__}: {exc}")))
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(5)
+
+
+class DrainWatcher:
+    """A thread that asks Ray every ``poll_s`` which nodes drain (a GCS call, kept off the loop's thread) and wakes
+    the driver with the answer (``("drains", {node id: deadline ms})``) whenever it changed: a drain reaches the loop
+    within ``poll_s`` of Ray knowing it, and the loop steps at once. A failed call is tried again at the next poll;
+    ``failures_allowed`` in a row end the run with the last one (handed to the loop, as :class:`RayWatcher` does)."""
+
+    def __init__(self, poll: Callable[[], dict[str, int]], sink: "queue.Queue[tuple[str, Any]]", poll_s: float,
+                 failures_allowed: int = 10) -> None:
+        self._poll, self._sink, self._poll_s, self._failures_allowed = poll, sink, poll_s, failures_allowed
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-ring-drain-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        last: dict[str, int] = {}
+        failures = 0
+        while not self._closing.wait(self._poll_s):
+            try:
+                draining = self._poll()
+            except Exception as exc:  # a GCS hiccup is retried; a lasting failure ends the run, named
+                failures += 1
+                if failures >= self._failures_allowed and not self._closing.is_set():
+                    self._sink.put(("error", RuntimeError(
+                        f"asking Ray which nodes drain failed {failures} times in a row: {type(exc).__name__}: {exc}")))
+                    return
+                continue
+            failures = 0
+            if draining != last:
+                last = draining
+                self._sink.put(("drains", dict(draining)))
 
     def close(self) -> None:
         self._closing.set()

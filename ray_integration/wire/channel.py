@@ -229,8 +229,6 @@ class InboxProbe:
         self._sent_at: float | None = None  # the probe on its way (driver clock)
         self._last_sent = float("-inf")
         self.measured_s = 0.0
-        #: when the last probe that came back was sent: everything pushed into the queue before then was read
-        self.read_up_to = float("-inf")
 
     def tick(self, now: float) -> None:
         """Send the next probe when none is on its way (or it was lost) and ``interval_s`` passed."""
@@ -245,7 +243,7 @@ class InboxProbe:
         if msg.get("k") != PROBE or msg.get("from") != self._channel.sender:
             return False
         if msg.get("probe") == self._seq and self._sent_at is not None:
-            self.measured_s, self.read_up_to, self._sent_at = now - self._sent_at, self._sent_at, None
+            self.measured_s, self._sent_at = now - self._sent_at, None
         return True
 
     def delay_s(self, now: float) -> float:

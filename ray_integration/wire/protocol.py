@@ -59,8 +59,19 @@ tens of microseconds instead of 0.2–0.4 ms, and one queue keeps the driver's o
 from __future__ import annotations
 
 import enum
+from typing import Any, NamedTuple
 
 DRIVER = "driver"
+
+
+class Returned(NamedTuple):
+    """What a worker's ``run`` returns to the driver (through Ray's own result): ``fn``'s ``value`` and the generation
+    the worker last ``asked`` a ring for. A ring given before it asked (:func:`ray_integration.driver.decisions.
+    prompt_ring`) was asked for after all when ``asked`` reached it, even if the request itself is still on its way
+    (or lost): the driver need not wait for it to know."""
+
+    value: Any
+    asked: int
 
 #: The kind of the message a worker's mailbox pushes into its own queue after a while without any
 #: (:data:`ray_integration.worker.mailbox.KEEPALIVE_S`): the mailbox's connection, which may wait long for the

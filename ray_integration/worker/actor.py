@@ -40,7 +40,7 @@ from .. import data as data_input
 from ..errors import WorkerError, WorkerGaveUp
 from ..wire.channel import REPLAY_WINDOW, Channel
 from ..wire.launch_env import horovod_environment
-from ..wire.protocol import Keys, WorkerKind
+from ..wire.protocol import Keys, Returned, WorkerKind
 from ..wire.settings import WorkerSettings
 from .devices import worker_cuda_device
 from .mailbox import KEEPALIVE_BACK_S, NOTICE_HANDLERS, Mailbox
@@ -141,7 +141,7 @@ class RingWorker:
         synced = self._rendezvous is not None and self._rendezvous.holds_state
         beat = {"seq": self._beats, "synced": synced, "waiting": waiting[0] if waiting else 0,
                 "reason": waiting[1] if waiting else None,
-                "asked": self._rendezvous.generation if self._rendezvous is not None else 0}
+                "asked": self._asked()}
         with self._beat_lock:
             tick = self._node_tick(beat)
             if tick.direct:
@@ -258,8 +258,9 @@ class RingWorker:
                 with self._beat_lock:
                     self._node_beats = node_beats
 
-    def run(self, fn: Callable[[dict], Any], config: dict, settings: WorkerSettings) -> Any:
-        """Run ``fn(config)`` as one worker of the job; returns what it returns."""
+    def run(self, fn: Callable[[dict], Any], config: dict, settings: WorkerSettings) -> Returned:
+        """Run ``fn(config)`` as one worker of the job; returns what it returns, with the generation it last asked
+        a ring for."""
         self._install(settings)
         try:
             value = fn(config)
@@ -268,7 +269,7 @@ class RingWorker:
             outcome = fate(exc)
             if outcome is Fate.LEAVE:
                 self._flush_checkpoints()  # it leaves (a draining node, the job stops): its last write lands first
-                return None
+                return Returned(None, self._asked())
             if outcome is Fate.RAISE:
                 raise
             if outcome is Fate.GIVE_UP:
@@ -290,7 +291,11 @@ class RingWorker:
                               f"fn returned a {type(value).__name__} that cannot be pickled ({exc}); return plain "
                               "data (numbers, strings, lists, dicts, CPU tensors), e.g. a state_dict instead of "
                               "an object holding locks, files or sockets", "fn's return value") from None
-        return value
+        return Returned(value, self._asked())
+
+    def _asked(self) -> int:
+        """The generation this worker last asked a ring for (0: none yet)."""
+        return self._rendezvous.generation if self._rendezvous is not None else 0
 
     def _error(self, exc: BaseException) -> WorkerError:
         rank = er.rank() if er.is_initialized() else None

@@ -261,7 +261,10 @@ def apply_abort(msg: dict) -> None:
 
 def apply_notice(msg: dict) -> None:
     """``notice``: what the round must do at its next commit (re-form, persist, stop); ``persist_id`` numbers the
-    write the driver asked for, retried for ``within_s`` seconds from now (this process's clock)."""
+    write the driver asked for, retried for ``within_s`` seconds from now (this process's clock). It may carry the
+    ring's new preemption notice (``preemption``), applied first: ``fn`` that sees the change sees the drain too."""
+    if msg.get("preemption") is not None:
+        preemption.post(msg["preemption"])
     within, persist_id = msg.get("within_s"), msg.get("persist_id") or 0
     if within is not None and (isinstance(within, bool) or not isinstance(within, (int, float))):
         raise ValueError(f"the driver's notice has within_s={within!r}: not a number of seconds")
