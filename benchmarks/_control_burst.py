@@ -13,8 +13,8 @@ let go; the next loss is of that ring's last rank (rings of N, N − 1, ...). Me
   survivors whose request it had not applied yet are answered ahead of it, ``decisions.prompt_ring``);
 * ``loop_cpu_ms`` / ``inbox_cpu_ms``: the two threads' CPU time in that window;
 * ``steps``: how many times the loop stepped its state in it;
-* then a node of the ring drains (Ray's drain list): ``drain_seen_ms`` until the driver's poll saw it (it polls
-  every ``DRAIN_POLL_S``), ``drain_notified_ms`` until it pushed its last notice to the ring's members.
+* then a node of the ring drains (Ray's drain list): ``drain_seen_ms`` until the driver's drain watcher saw it (it
+  polls every ``DRAIN_POLL_S``), ``drain_notified_ms`` until it pushed its last notice to the ring's members.
 """
 
 from __future__ import annotations
