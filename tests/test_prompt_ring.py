@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import elastic_ring as er
 from ray_integration import ElasticTrainer
 from ray_integration.driver.states import Finished, Reforming, Running
 from ray_integration.wire.channel import REPLAY_WINDOW, Channel
@@ -222,3 +223,36 @@ def test_a_rendezvous_waiting_for_a_lost_answer_keeps_the_one_given_ahead(job):
         assert spec.round_id == j.driver.ring.round_id == 2 and time.monotonic() - took < 0.5
     finally:
         box.close()
+
+
+def test_a_real_workers_run_returns_its_value_with_the_generation_it_last_asked_for(job, monkeypatch):
+    # the real RingWorker (in this process, Ray's node id faked): it asks for its first ring through the real
+    # rendezvous, forms it, and its run returns fn's value with that request's generation
+    import ray
+
+    from elastic_ring.collectives import preemption
+    from elastic_ring.ring import elastic
+    from elastic_ring.ring.report import set_reporter
+    from ray_integration import data as data_input
+    from ray_integration.wire.protocol import Returned
+    from ray_integration.wire.settings import WorkerSettings
+    from ray_integration.worker.actor import RingWorker
+    from state.checkpoints.config import set_default_checkpointing
+    from state.checkpoints.hooks import set_checkpoint_listener
+    from state.state import set_resume_listener
+
+    j = job(1, inbox=True)
+    wid = j.order[0]
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"get_node_id": lambda self: "0" * 56})())
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    worker = RingWorker(wid, "127.0.0.1", j.server.address.port, j.keys.job, j.secret, 0.2, 10.0)
+    settings = WorkerSettings(driver_silence_s=30.0, flush_timeout_s=5.0, tune_allocator=False)
+    try:
+        returned = worker.run(lambda config: (elastic._reform("start"), er.rank() + config["x"])[1], {"x": 41},
+                              settings)
+    finally:
+        worker._stop.set()
+        for reset in (set_reporter, set_default_checkpointing, set_resume_listener, set_checkpoint_listener,
+                      data_input.install, preemption.install):
+            reset(None)
+    assert returned == Returned(41, 1) and j.driver.ring.worker_ids == (wid,)

@@ -85,8 +85,9 @@ def event(kind: str, **detail: Any) -> AddEvent:
 
 @dataclass(frozen=True)
 class PollDrains:
-    """Ask Ray which nodes drain (at most every ``DRAIN_POLL_S``); mark the live workers there as leaving
-    (their ids: ``Context.newly_draining``) and record a ``node_draining`` event per node."""
+    """Take the draining nodes the drain watcher last reported (at once when new, else every ``DRAIN_POLL_S``);
+    mark the live workers there as leaving (their ids: ``Context.newly_draining``) and record a ``node_draining``
+    event per node."""
 
 
 @dataclass(frozen=True)

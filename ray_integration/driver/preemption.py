@@ -3,8 +3,9 @@
 Ray Train's ``PreemptionInfo``: the earliest deadline (Ray's own value, UNIX milliseconds, passed on untouched:
 the driver never turns a worker's clock into its own or back) and, for each draining node, the ranks of the current
 ring on it. :class:`Preemption` makes a new numbered notice whenever that changes (a node begins draining, the ring
-re-forms and its ranks move, the leavers are gone); the loop sends it to every member through Ray, and the
-members agree on the newest one when ``fn`` asks (``elastic_ring.collectives.preemption``).
+re-forms and its ranks move, the leavers are gone); the loop pushes it to every member's queue (inside a notice of
+the same step when there is one: a drain's), and the members agree on the newest one when ``fn`` asks
+(``elastic_ring.collectives.preemption``).
 """
 
 from __future__ import annotations

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import ray
 
+from elastic_ring.core.log import get_logger
+
 from .pool import WorkerPool
+
+_log = get_logger(__name__)
 
 
 class RayWatcher:
@@ -52,12 +57,14 @@ class RayWatcher:
 class DrainWatcher:
     """A thread that asks Ray every ``poll_s`` which nodes drain (a GCS call, kept off the loop's thread) and wakes
     the driver with the answer (``("drains", {node id: deadline ms})``) whenever it changed: a drain reaches the loop
-    within ``poll_s`` of Ray knowing it, and the loop steps at once. A failed call is tried again at the next poll;
-    ``failures_allowed`` in a row end the run with the last one (handed to the loop, as :class:`RayWatcher` does)."""
+    within ``poll_s`` of Ray knowing it, and the loop steps at once. A failed call is logged and tried again at the
+    next poll; calls failing for ``fail_after_s`` in a row end the run with the last error, and anything else the
+    thread meets ends it at once (handed to the loop, as :class:`RayWatcher` does). A call that blocks (Ray's GCS
+    client retries on its own) only delays the drains the loop sees."""
 
     def __init__(self, poll: Callable[[], dict[str, int]], sink: "queue.Queue[tuple[str, Any]]", poll_s: float,
-                 failures_allowed: int = 10) -> None:
-        self._poll, self._sink, self._poll_s, self._failures_allowed = poll, sink, poll_s, failures_allowed
+                 fail_after_s: float = 10.0) -> None:
+        self._poll, self._sink, self._poll_s, self._fail_after_s = poll, sink, poll_s, fail_after_s
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-ring-drain-watcher", daemon=True)
 
@@ -65,19 +72,30 @@ class DrainWatcher:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except BaseException as exc:  # handed to the driver loop
+            if not self._closing.is_set():
+                self._sink.put(("error", RuntimeError(f"watching Ray's draining nodes failed: "
+                                                      f"{type(exc).__name__}: {exc}")))
+
+    def _watch(self) -> None:
         last: dict[str, int] = {}
-        failures = 0
+        failing_since: float | None = None
         while not self._closing.wait(self._poll_s):
             try:
                 draining = self._poll()
             except Exception as exc:  # a GCS hiccup is retried; a lasting failure ends the run, named
-                failures += 1
-                if failures >= self._failures_allowed and not self._closing.is_set():
-                    self._sink.put(("error", RuntimeError(
-                        f"asking Ray which nodes drain failed {failures} times in a row: {type(exc).__name__}: {exc}")))
-                    return
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    _log.warning("asking Ray which nodes drain failed (%s: %s); trying again every %.1f s for %.0f s",
+                                 type(exc).__name__, exc, self._poll_s, self._fail_after_s)
+                if now - failing_since >= self._fail_after_s:
+                    raise RuntimeError(f"asking Ray which nodes drain kept failing for {now - failing_since:.1f} s: "
+                                       f"{type(exc).__name__}: {exc}") from exc
                 continue
-            failures = 0
+            failing_since = None
             if draining != last:
                 last = draining
                 self._sink.put(("drains", dict(draining)))
