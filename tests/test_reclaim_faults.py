@@ -198,7 +198,7 @@ def test_a_run_that_finishes_with_its_lease_lost_returns_from_the_drivers_loop(t
     events = EventLog(None)
     check = LeaseCheck(lease, events)
     driver = loop.Driver.__new__(loop.Driver)
-    driver.pool = SimpleNamespace(inbox_delay_s=0.0, grace=lambda now: None)
+    driver.pool = SimpleNamespace(inbox_delay_s=0.0, grace=lambda now: None, draining_nodes=lambda: {})
     driver.inbox = SimpleNamespace(tick=lambda now: None, delay_s=lambda now: 0.0)
     driver.wakeups, driver.last_grace = queue.SimpleQueue(), float("-inf")
     driver.limits, driver.events, driver.stop_reason, driver.round_id, driver.ring = (
