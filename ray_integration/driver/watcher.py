@@ -17,56 +17,14 @@ from .pool import WorkerPool
 _log = get_logger(__name__)
 
 
-class RayWatcher:
-    """A thread that blocks in ``ray.wait`` on the pool's refs and wakes the driver when one completes.
-    Every exception it meets is handed to the driver loop, which ends the run with it."""
+class _Watcher:
+    """A daemon thread that runs :meth:`_watch` until closed, waking the driver loop through ``sink``. Every exception
+    it meets is handed to the loop (``("error", ...)``, naming ``what`` failed), which ends the run with it."""
 
-    WAIT_S = 0.2
-
-    def __init__(self, pool: WorkerPool, sink: "queue.Queue[tuple[str, Any]]") -> None:
-        self._pool, self._sink = pool, sink
+    def __init__(self, sink: "queue.Queue[tuple[str, Any]]", name: str, what: str) -> None:
+        self._sink, self._what = sink, what
         self._closing = threading.Event()
-        self._reported: set[Any] = set()
-        self._thread = threading.Thread(target=self._run, name="elastic-ring-ray-watcher", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._closing.is_set():
-                refs = [r for r in self._pool.watched_refs() if r not in self._reported]
-                if not refs:
-                    self._closing.wait(self.WAIT_S)
-                    continue
-                ready, _ = ray.wait(refs, num_returns=1, timeout=self.WAIT_S, fetch_local=False)
-                if ready:
-                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-                    self._reported.update(ready)
-                    self._sink.put(("ray", ready))
-        except BaseException as exc:  # handed to the driver loop
-            if not self._closing.is_set():
-                self._sink.put(("error", RuntimeError(f"watching the workers through Ray failed: "
-                                                      f"{type(exc).__name__}: {exc}")))
-
-    def close(self) -> None:
-        self._closing.set()
-        self._thread.join(5)
-
-
-class DrainWatcher:
-    """A thread that asks Ray every ``poll_s`` which nodes drain (a GCS call, kept off the loop's thread) and wakes
-    the driver with the answer (``("drains", {node id: deadline ms})``) whenever it changed: a drain reaches the loop
-    within ``poll_s`` of Ray knowing it, and the loop steps at once. A failed call is logged and tried again at the
-    next poll; calls failing for ``fail_after_s`` in a row end the run with the last error, and anything else the
-    thread meets ends it at once (handed to the loop, as :class:`RayWatcher` does). A call that blocks (Ray's GCS
-    client retries on its own) only delays the drains the loop sees."""
-
-    def __init__(self, poll: Callable[[], dict[str, int]], sink: "queue.Queue[tuple[str, Any]]", poll_s: float,
-                 fail_after_s: float = 10.0) -> None:
-        self._poll, self._sink, self._poll_s, self._fail_after_s = poll, sink, poll_s, fail_after_s
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="elastic-ring-drain-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -76,8 +34,51 @@ class DrainWatcher:
             self._watch()
         except BaseException as exc:  # handed to the driver loop
             if not self._closing.is_set():
-                self._sink.put(("error", RuntimeError(f"watching Ray's draining nodes failed: "
-                                                      f"{type(exc).__name__}: {exc}")))
+                self._sink.put(("error", RuntimeError(f"{self._what} failed: {type(exc).__name__}: {exc}")))
+
+    def _watch(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(5)
+
+
+class RayWatcher(_Watcher):
+    """A thread that blocks in ``ray.wait`` on the pool's refs and wakes the driver when one completes."""
+
+    WAIT_S = 0.2
+
+    def __init__(self, pool: WorkerPool, sink: "queue.Queue[tuple[str, Any]]") -> None:
+        super().__init__(sink, "elastic-ring-ray-watcher", "watching the workers through Ray")
+        self._pool = pool
+        self._reported: set[Any] = set()
+
+    def _watch(self) -> None:
+        while not self._closing.is_set():
+            refs = [r for r in self._pool.watched_refs() if r not in self._reported]
+            if not refs:
+                self._closing.wait(self.WAIT_S)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=self.WAIT_S, fetch_local=False)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+                self._reported.update(ready)
+                self._sink.put(("ray", ready))
+
+
+class DrainWatcher(_Watcher):
+    """A thread that asks Ray every ``poll_s`` which nodes drain (a GCS call, kept off the loop's thread) and wakes
+    the driver with the answer (``("drains", {node id: deadline ms})``) whenever it changed: a drain reaches the loop
+    within ``poll_s`` of Ray knowing it, and the loop steps at once. A failed call is logged and tried again at the
+    next poll; calls failing for ``fail_after_s`` in a row end the run with the last error, as anything else the
+    thread meets does. A call that blocks (Ray's GCS client retries on its own) only delays the drains the loop
+    sees."""
+
+    def __init__(self, poll: Callable[[], dict[str, int]], sink: "queue.Queue[tuple[str, Any]]", poll_s: float,
+                 fail_after_s: float = 10.0) -> None:
+        super().__init__(sink, "elastic-ring-drain-watcher", "watching Ray's draining nodes")
+        self._poll, self._poll_s, self._fail_after_s = poll, poll_s, fail_after_s
 
     def _watch(self) -> None:
         last: dict[str, int] = {}
@@ -99,7 +100,3 @@ class DrainWatcher:
             if draining != last:
                 last = draining
                 self._sink.put(("drains", dict(draining)))
-
-    def close(self) -> None:
-        self._closing.set()
-        self._thread.join(5)
