@@ -54,8 +54,9 @@ def start(paths, mode: str = "main") -> subprocess.Popen:
 def wait_for_step(progress: pathlib.Path, step: int, timeout_s: float = 120) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if progress.exists() and progress.read_text().strip():
-            current = int(progress.read_text().split()[0])
+        text = progress.read_text() if progress.exists() else ""  # read once: the job rewrites it in place
+        if text.strip():
+            current = int(text.split()[0])
             if current >= step:
                 return current
         time.sleep(0.05)
